@@ -1,0 +1,167 @@
+"""Finding, loading and calling plugins.
+
+Plugins are found through the entry-point group ``mlx_recovery_plugin``; the project's own
+recovery and adopter register themselves there like any third party. An entry point names
+an object carrying ``@hookimpl`` functions (a module or an instance) or a class, which is
+instantiated with no arguments. A plugin that fails to import, or that implements a hook
+with no spec, is logged and skipped; the rest load.
+
+Hosts call hooks through :class:`HookEmitter`, which isolates each implementation: one
+that raises is logged once and skipped, and the host's step never sees the exception.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .hookspecs import PROJECT_NAME
+from .settings import RecoverySettings, load_settings
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "mlx_recovery_plugin"
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin given explicitly could not be registered."""
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What plugin loading did: names loaded, skipped on purpose, and failed with why."""
+
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    """A plugin manager that knows the lifecycle hookspecs and nothing else."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> str:
+    """Register ``plugin``, refusing it (unregistered again) if it implements a hook
+    that has no spec or calls a spec with wrong arguments."""
+    try:
+        registered = pm.register(plugin, name=name)
+    except (pluggy.PluginValidationError, ValueError) as exc:
+        raise PluginLoadError(f"plugin {name or plugin!r} refused: {exc}") from exc
+    if registered is None:
+        raise PluginLoadError(f"plugin {name or plugin!r} is blocked or already registered")
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        pm.unregister(plugin)
+        raise PluginLoadError(f"plugin {registered} refused: {exc}") from exc
+    return registered
+
+
+def _instantiate(obj: Any) -> object:
+    return obj() if isinstance(obj, type) else obj
+
+
+def load_entry_point_plugins(
+    pm: pluggy.PluginManager,
+    settings: RecoverySettings,
+    eps: Iterable[EntryPoint] | None = None,
+) -> LoadReport:
+    """Register every plugin of the entry-point group that the allow / block lists let in."""
+    report = LoadReport()
+    allow, block = settings.plugin_allow_list, settings.plugin_block_list
+    found = entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps
+    for ep in sorted(found, key=lambda e: e.name):
+        if ep.name in block or (allow and ep.name not in allow):
+            report.skipped.append(ep.name)
+            continue
+        try:
+            register_checked(pm, _instantiate(ep.load()), name=ep.name)
+        except Exception as exc:  # noqa: BLE001 - any plugin bug must stay contained
+            log.warning("mlx-recovery: plugin %r not loaded: %s", ep.name, exc)
+            report.failed[ep.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        report.loaded.append(ep.name)
+    return report
+
+
+def make_plugin_manager(
+    plugins: Iterable[object] = (),
+    *,
+    settings: RecoverySettings | None = None,
+    entry_points_too: bool = True,
+) -> pluggy.PluginManager:
+    """A fresh plugin manager with the entry-point plugins (unless told not to) and then
+    ``plugins``, each registered and checked. The load report is ``pm.load_report``."""
+    settings = settings or load_settings()
+    pm = new_plugin_manager()
+    report = load_entry_point_plugins(pm, settings) if entry_points_too else LoadReport()
+    for plugin in plugins:
+        report.loaded.append(register_checked(pm, plugin))
+    pm.load_report = report  # type: ignore[attr-defined]
+    return pm
+
+
+@functools.cache
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process's plugin manager, built once from the environment."""
+    return make_plugin_manager()
+
+
+def reset_plugin_manager() -> None:
+    """Forget the cached process plugin manager (tests, and a host's full restart)."""
+    get_plugin_manager.cache_clear()
+
+
+class HookEmitter:
+    """Calls hooks for a host, one implementation at a time, so a failing plugin costs
+    only its own work. Thread-safe: errors are counted under a lock."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self.pm = pm
+        self._lock = threading.Lock()
+        self._reported: set[tuple[str, str, str]] = set()
+        self.errors = 0
+
+    def emit(self, hook_name: str, **kwargs: Any) -> list[Any]:
+        """Call every implementation of ``hook_name`` (last registered first, as pluggy
+        does); return their non-None results (only the first, for a firstresult hook)."""
+        caller = getattr(self.pm.hook, hook_name)
+        firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
+        results: list[Any] = []
+        for impl in reversed(caller.get_hookimpls()):
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            try:
+                result = impl.function(*(kwargs[name] for name in impl.argnames))
+            except Exception as exc:  # noqa: BLE001 - never raise into the host's step
+                self._report(impl.plugin_name, hook_name, exc)
+                continue
+            if result is not None:
+                results.append(result)
+                if firstresult:
+                    break
+        return results
+
+    def first(self, hook_name: str, **kwargs: Any) -> Any:
+        results = self.emit(hook_name, **kwargs)
+        return results[0] if results else None
+
+    def _report(self, plugin: str, hook: str, exc: Exception) -> None:
+        key = (plugin, hook, type(exc).__name__)
+        with self._lock:
+            self.errors += 1
+            first_time = key not in self._reported
+            self._reported.add(key)
+        if first_time:
+            log.error("mlx-recovery: plugin %r failed in %s: %r", plugin, hook, exc, exc_info=exc)

@@ -1,0 +1,192 @@
+"""Settings from the environment (prefix ``MLX_RECOVERY_``), validated all at once.
+
+The host's own per-model settings drop unknown keys, so the plugin keeps its own. A bad
+value raises one :class:`SettingsError` that names the environment variable and the
+allowed range; nothing starts half-configured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as PydanticSettingsError
+
+ENV_PREFIX = "MLX_RECOVERY_"
+
+
+class AdoptMode(str, Enum):
+    CLONE = "clone"
+    TRIM = "trim"
+
+
+class ModelSettings(BaseModel):
+    """Per-model opt-in and overrides, one entry of ``MLX_RECOVERY_MODELS``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="recovery runs for this model")
+    slice_tokens: int | None = Field(
+        None, ge=16, le=65536, description="tokens per recovery slice (default: process-wide)"
+    )
+    idle_steps: int | None = Field(
+        None, ge=1, le=1000, description="idle steps before a slice (default: process-wide)"
+    )
+
+
+class RecoverySettings(BaseSettings):
+    """Process-wide settings. Each field is read from ``MLX_RECOVERY_<FIELD>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", frozen=True, case_sensitive=False
+    )
+
+    enable: bool = Field(
+        False,
+        description="attach to installed hosts at start-up (the hooks/ .pth startup hook)",
+    )
+    budget_pct: float = Field(
+        0.0, ge=0.0, le=100.0, description="share of wall time recovery may use; 0 = off"
+    )
+    budget_window_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="length of one budget window, seconds"
+    )
+    slice_tokens: int | None = Field(
+        None, ge=16, le=65536, description="tokens per slice; unset = the host's prefill step"
+    )
+    idle_steps: int = Field(2, ge=1, le=1000, description="consecutive idle steps before a slice")
+    max_jobs_per_engine: int = Field(
+        4, ge=1, le=256, description="recovery jobs kept per engine (least recent dropped)"
+    )
+    interruptible: bool = Field(
+        True, description="abandon a slice between layers when foreground work arrives"
+    )
+    adopter_enabled: bool = Field(False, description="adopt partially matching stored prefixes")
+    adopter_mode: AdoptMode = Field(
+        AdoptMode.CLONE, description="clone (pin shared blocks) or trim (cut the stored entry)"
+    )
+    adopter_min_prefix_tokens: int = Field(
+        0, ge=0, le=1_048_576, description="smallest partial prefix worth adopting"
+    )
+    plugins: str = Field("", description="comma list: load only these plugin entry points")
+    disable_plugins: str = Field("", description="comma list: never load these plugin entry points")
+    control_socket: str = Field(
+        "", description="unix socket for status/budget; unset = a per-user runtime path"
+    )
+    models: dict[str, ModelSettings] = Field(
+        default_factory=dict,
+        description='JSON keyed by model id, e.g. {"org/model-1.5B": {"enabled": true}}',
+    )
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip()
+            return json.loads(value) if value else {}
+        return value
+
+    def for_model(self, model_id: str) -> ModelSettings:
+        """The model's own entry, or the default (not opted in)."""
+        return self.models.get(model_id, ModelSettings())
+
+    def slice_tokens_for(self, model_id: str, host_prefill_step: int) -> int:
+        own = self.for_model(model_id).slice_tokens
+        return own or self.slice_tokens or host_prefill_step
+
+    def idle_steps_for(self, model_id: str) -> int:
+        return self.for_model(model_id).idle_steps or self.idle_steps
+
+    def recovery_enabled_for(self, model_id: str) -> bool:
+        return self.budget_pct > 0 and self.for_model(model_id).enabled
+
+    @property
+    def plugin_allow_list(self) -> frozenset[str]:
+        return _names(self.plugins)
+
+    @property
+    def plugin_block_list(self) -> frozenset[str]:
+        return _names(self.disable_plugins)
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in text.split(",") if part.strip())
+
+
+class SettingsError(ValueError):
+    """One or more environment variables are invalid."""
+
+
+def env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _allowed(field: str) -> str:
+    info = RecoverySettings.model_fields.get(field)
+    if info is None:
+        return ""
+    bounds = []
+    for meta in info.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(meta, attr, None) is not None:
+                bounds.append(f"{sign} {getattr(meta, attr)}")
+    annotation = info.annotation
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        bounds.append("one of " + ", ".join(m.value for m in annotation))
+    return " and ".join(bounds)
+
+
+def load_settings() -> RecoverySettings:
+    """Read and validate every setting from the environment.
+
+    Raises one :class:`SettingsError` that lists every bad variable.
+    """
+    try:
+        return RecoverySettings()
+    except PydanticSettingsError as exc:
+        # pydantic-settings decodes JSON-valued variables before validation.
+        raise SettingsError(f"{env_name('models')}: not valid JSON ({exc.__cause__ or exc})") from None
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        field = loc[0] if loc else "?"
+        where = env_name(field)
+        if field == "models" and len(loc) > 1:
+            where += " [" + "].[".join(loc[1:]) + "]"
+        allowed = _allowed(field) if len(loc) == 1 else ""
+        hint = f" (allowed: {allowed})" if allowed else ""
+        lines.append(f"{where}: {err['msg']}{hint}; got {err.get('input')!r}")
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+@dataclass(slots=True, frozen=True)
+class EffectiveSetting:
+    variable: str
+    value: Any
+    source: str  # "environment" or "default"
+    description: str
+
+
+def describe_settings(settings: RecoverySettings) -> list[EffectiveSetting]:
+    """Every setting's effective value and where it came from."""
+    env = {k.upper() for k in os.environ}
+    rows = []
+    for name, info in RecoverySettings.model_fields.items():
+        value = getattr(settings, name)
+        if isinstance(value, Enum):
+            value = value.value
+        if name == "models":
+            value = {k: v.model_dump(exclude_none=True) for k, v in value.items()}
+        source = "environment" if env_name(name) in env else "default"
+        rows.append(EffectiveSetting(env_name(name), value, source, info.description or ""))
+    return rows

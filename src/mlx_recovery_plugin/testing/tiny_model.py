@@ -1,0 +1,141 @@
+"""Tiny random-weight mlx-lm models, written to disk and loaded through ``mlx_lm.load``.
+
+Nothing is downloaded: the weights come from a seeded generator and the tokenizer is a
+byte-level BPE with no merges (one token per UTF-8 byte, plus a few specials), so any text
+maps to a predictable number of tokens. The real loading path (config, safetensors,
+tokenizer files) is exercised exactly as for a model from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|system|>")
+BYTE_VOCAB = 256
+VOCAB_SIZE = 320  # 256 bytes + specials, padded to a multiple of 64
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass(slots=True, frozen=True)
+class TinyModelSpec:
+    """Shape of a tiny model. ``arch`` is an mlx-lm ``model_type``."""
+
+    arch: str = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = VOCAB_SIZE
+    seed: int = 0
+    dtype: str = "float32"
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def config(self) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "model_type": self.arch,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.dtype,
+            "bos_token_id": BYTE_VOCAB,
+            "eos_token_id": BYTE_VOCAB + 1,
+        }
+        if self.arch == "qwen3":
+            base["head_dim"] = self.hidden_size // self.num_heads
+        base.update(dict(self.extra))
+        return base
+
+
+def _byte_level_vocab() -> dict[str, int]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    # The byte-level alphabet maps each byte to one printable character; order by byte.
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    assert len(alphabet) == BYTE_VOCAB
+    vocab = {table[b]: b for b in range(BYTE_VOCAB)}
+    for i, special in enumerate(SPECIAL_TOKENS):
+        vocab[special] = BYTE_VOCAB + i
+    return vocab
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per byte."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=_byte_level_vocab(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL_TOKENS])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIAL_TOKENS[0],
+                "eos_token": SPECIAL_TOKENS[1],
+                "pad_token": SPECIAL_TOKENS[1],
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 1_000_000,
+            },
+            indent=1,
+        )
+    )
+
+
+def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write config, random weights (seeded) and tokenizer for ``spec`` into ``path``."""
+    from mlx_lm.utils import _get_classes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = spec.config()
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(spec.seed)
+    model: nn.Module = model_class(args_class.from_dict(config))
+    dtype = getattr(mx, spec.dtype)
+    # Spread the weights out a little so greedy decoding has clear winners.
+    params = tree_map(lambda p: (p * 2.0).astype(dtype), model.parameters())
+    model.update(params)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    write_tokenizer(path)
+    return path
+
+
+def load_tiny_model(path: str | Path) -> tuple[nn.Module, Any]:
+    """Load a model directory through the real mlx-lm loader."""
+    from mlx_lm import load
+
+    return load(str(path))
+
+
+def make_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> tuple[nn.Module, Any]:
+    """Write (if not already there) and load a tiny model."""
+    path = Path(path)
+    if not (path / "model.safetensors").exists():
+        write_tiny_model(path, spec)
+    return load_tiny_model(path)
