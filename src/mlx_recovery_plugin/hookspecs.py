@@ -122,14 +122,15 @@ def model_unloaded(engine_id: str, model_id: str) -> None:
 
 
 @hookspec
-def engine_idle_step(event: IdleStep) -> bool | None:
+def engine_idle_step(event: IdleStep) -> bool | float | None:
     """The engine has no requests and offers one idle step.
 
     Thread: the engine thread, on the engine's MLX stream, never concurrently with
     ``step()``. The only hook allowed to run model work; it must return soon after
-    foreground work arrives. Return True to ask for another idle step (the host keeps
-    stepping while any implementation says True), False or None when there is nothing
-    runnable.
+    foreground work arrives. Return True to ask for another idle step now, a positive
+    float to ask again after that many seconds (for example when a budget window must
+    refill), False or None when there is nothing to do. The host keeps offering idle
+    steps while any implementation asks, and stops at once when a request arrives.
     """
 
 
