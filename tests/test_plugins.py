@@ -1,0 +1,137 @@
+"""Plugin loading: entry points, isolation of broken plugins, allow/block lists, hook calls."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from mlx_recovery_plugin.events import IdleStep, PrefixLookup, RequestArrived
+from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.plugins import (
+    ENTRY_POINT_GROUP,
+    HookEmitter,
+    PluginLoadError,
+    load_entry_point_plugins,
+    make_plugin_manager,
+    new_plugin_manager,
+)
+from mlx_recovery_plugin.settings import RecoverySettings
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    @hookimpl
+    def request_arrived(self, event: RequestArrived) -> None:
+        self.seen.append(event.request_id)
+
+
+class Exploding:
+    @hookimpl
+    def request_arrived(self, event: RequestArrived) -> None:
+        raise RuntimeError("plugin bug")
+
+    @hookimpl
+    def engine_idle_step(self, event: IdleStep) -> bool:
+        raise MemoryError("pretend OOM")
+
+
+class Misspelled:
+    @hookimpl
+    def request_arived(self, event: RequestArrived) -> None:  # no such hook
+        pass
+
+
+@pytest.fixture
+def fake_plugins_module(monkeypatch: pytest.MonkeyPatch) -> str:
+    module = types.ModuleType("fake_mlx_recovery_plugins")
+    module.Recorder = Recorder  # type: ignore[attr-defined]
+    module.Misspelled = Misspelled  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.__name__
+
+
+def _ep(name: str, value: str) -> EntryPoint:
+    return EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP)
+
+
+def _arrival(rid: str) -> RequestArrived:
+    return RequestArrived("e0", rid, "m", (1, 2, 3))
+
+
+def test_broken_plugins_are_logged_and_skipped_while_good_ones_load(
+    fake_plugins_module: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pm = new_plugin_manager()
+    eps = [
+        _ep("good", f"{fake_plugins_module}:Recorder"),
+        _ep("missing", "no_such_module_anywhere:Plugin"),
+        _ep("misspelled", f"{fake_plugins_module}:Misspelled"),
+    ]
+    with caplog.at_level(logging.WARNING):
+        report = load_entry_point_plugins(pm, RecoverySettings(), eps)
+    assert report.loaded == ["good"]
+    assert set(report.failed) == {"missing", "misspelled"}
+    assert "request_arived" in report.failed["misspelled"]
+    assert pm.get_plugin("misspelled") is None
+    assert "no_such_module_anywhere" in caplog.text
+    # The good plugin was instantiated from its class and receives events.
+    HookEmitter(pm).emit("request_arrived", event=_arrival("r1"))
+    assert pm.get_plugin("good").seen == ["r1"]
+
+
+def test_allow_list_loads_only_named_plugins(fake_plugins_module: str) -> None:
+    eps = [_ep("a", f"{fake_plugins_module}:Recorder"), _ep("b", f"{fake_plugins_module}:Recorder")]
+    report = load_entry_point_plugins(new_plugin_manager(), RecoverySettings(plugins="b"), eps)
+    assert report.loaded == ["b"] and report.skipped == ["a"]
+
+
+def test_block_list_wins_over_allow_list(fake_plugins_module: str) -> None:
+    eps = [_ep("a", f"{fake_plugins_module}:Recorder"), _ep("b", f"{fake_plugins_module}:Recorder")]
+    settings = RecoverySettings(plugins="a,b", disable_plugins=" b ")
+    report = load_entry_point_plugins(new_plugin_manager(), settings, eps)
+    assert report.loaded == ["a"] and report.skipped == ["b"]
+
+
+def test_explicit_plugin_with_unknown_hook_is_refused() -> None:
+    with pytest.raises(PluginLoadError, match="request_arived"):
+        make_plugin_manager([Misspelled()], settings=RecoverySettings(), entry_points_too=False)
+
+
+def test_a_failing_plugin_never_raises_into_the_host_and_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder = Recorder()
+    pm = make_plugin_manager([recorder, Exploding()], settings=RecoverySettings(), entry_points_too=False)
+    emitter = HookEmitter(pm)
+    with caplog.at_level(logging.ERROR):
+        for i in range(3):
+            emitter.emit("request_arrived", event=_arrival(f"r{i}"))
+        assert emitter.emit("engine_idle_step", event=IdleStep("e0", 1)) == []
+    assert recorder.seen == ["r0", "r1", "r2"]
+    assert emitter.errors == 4
+    # Logged once per plugin, hook and kind of error, not once per call.
+    assert caplog.text.count("failed in request_arrived") == 1
+    assert caplog.text.count("failed in engine_idle_step") == 1
+
+
+def test_firstresult_hook_returns_the_first_decision() -> None:
+    class Declines:
+        @hookimpl
+        def prefix_lookup(self, lookup: PrefixLookup) -> None:
+            return None
+
+    class Decides:
+        @hookimpl
+        def prefix_lookup(self, lookup: PrefixLookup) -> str:
+            return "decided"
+
+    pm = make_plugin_manager([Decides(), Declines()], settings=RecoverySettings(), entry_points_too=False)
+    lookup = PrefixLookup("e0", "r", "entry", 128, 100, 64)
+    assert HookEmitter(pm).first("prefix_lookup", lookup=lookup) == "decided"
+    assert HookEmitter(pm).emit("prefix_lookup", lookup=lookup) == ["decided"]

@@ -1,0 +1,110 @@
+"""Settings come from MLX_RECOVERY_* variables; bad values fail loudly and name the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_recovery_plugin.settings import (
+    AdoptMode,
+    SettingsError,
+    describe_settings,
+    load_settings,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.upper().startswith("MLX_RECOVERY_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_leave_recovery_off() -> None:
+    s = load_settings()
+    assert s.budget_pct == 0
+    assert s.idle_steps == 2
+    assert s.slice_tokens is None
+    assert s.adopter_mode is AdoptMode.CLONE
+    assert not s.recovery_enabled_for("any/model")
+
+
+def test_per_model_json_keyed_by_ids_with_slashes_dashes_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_PCT", "10")
+    monkeypatch.setenv(
+        "MLX_RECOVERY_MODELS",
+        '{"mlx-community/Qwen3.5-0.8B-4bit": {"enabled": true, "slice_tokens": 512}}',
+    )
+    s = load_settings()
+    assert s.recovery_enabled_for("mlx-community/Qwen3.5-0.8B-4bit")
+    assert not s.recovery_enabled_for("other/model")
+    assert s.slice_tokens_for("mlx-community/Qwen3.5-0.8B-4bit", host_prefill_step=2048) == 512
+    assert s.slice_tokens_for("other/model", host_prefill_step=2048) == 2048
+
+
+def test_opted_in_model_stays_off_while_budget_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"m": {"enabled": true}}')
+    assert not load_settings().recovery_enabled_for("m")
+
+
+def test_process_slice_size_overrides_host_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_SLICE_TOKENS", "256")
+    assert load_settings().slice_tokens_for("m", host_prefill_step=2048) == 256
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("MLX_RECOVERY_BUDGET_PCT", "150", "<= 100"),
+        ("MLX_RECOVERY_BUDGET_PCT", "-1", ">= 0"),
+        ("MLX_RECOVERY_IDLE_STEPS", "0", ">= 1"),
+        ("MLX_RECOVERY_BUDGET_WINDOW_S", "0", "> 0"),
+        ("MLX_RECOVERY_ADOPTER_MODE", "slice", "clone, trim"),
+        ("MLX_RECOVERY_SLICE_TOKENS", "lots", "integer"),
+    ],
+)
+def test_bad_value_names_the_variable_and_allowed_range(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert variable in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_every_bad_variable_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_PCT", "101")
+    monkeypatch.setenv("MLX_RECOVERY_IDLE_STEPS", "-3")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "MLX_RECOVERY_BUDGET_PCT" in str(info.value)
+    assert "MLX_RECOVERY_IDLE_STEPS" in str(info.value)
+
+
+def test_bad_model_entry_names_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"org/m-1.5B": {"enabled": true, "slice_tokens": 4}}')
+    with pytest.raises(SettingsError, match=r"MLX_RECOVERY_MODELS \[org/m-1.5B\]\.\[slice_tokens\]"):
+        load_settings()
+
+
+def test_unknown_model_key_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"m": {"enabeld": true}}')
+    with pytest.raises(SettingsError, match="enabeld"):
+        load_settings()
+
+
+def test_models_json_syntax_error_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_MODELS", "{not json")
+    with pytest.raises(SettingsError, match="MLX_RECOVERY_MODELS: not valid JSON"):
+        load_settings()
+
+
+def test_describe_says_where_each_value_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_PCT", "12.5")
+    rows = {row.variable: row for row in describe_settings(load_settings())}
+    assert rows["MLX_RECOVERY_BUDGET_PCT"].value == 12.5
+    assert rows["MLX_RECOVERY_BUDGET_PCT"].source == "environment"
+    assert rows["MLX_RECOVERY_IDLE_STEPS"].source == "default"
+    assert rows["MLX_RECOVERY_ADOPTER_MODE"].value == "clone"
