@@ -1,0 +1,221 @@
+"""The process's recovery budget: a share of wall time per window, and the execution claim.
+
+One :class:`Budget` per process is shared by every engine and model. Time is cut into
+windows of ``window_s`` seconds counted from the budget's creation; each window allows
+``pct`` % of it (the allowance). A slice may start while the current window has allowance
+left and is charged after it has run, because a slice cannot be stopped midway unless
+the runner supports it. What a window overspends carries into the next one, capped at one
+allowance, so one long slice (a first compile, say) delays recovery by at most one window
+instead of starving it. With slices no longer than an allowance the long-run share stays
+within ``pct`` plus one slice; in every case each window runs at most its allowance plus
+one slice.
+
+The execution claim keeps two engines from running slices at once: an engine takes it
+before a slice and gives it back after.
+
+Threads: engine threads check, charge and claim; the control thread changes ``pct``.
+All mutable state is owned by ``_lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+_MIN_WAIT_S = 1e-6
+
+
+def validate_pct(pct: float) -> float:
+    """``pct`` as a float in [0, 100], or ValueError naming the allowed range."""
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)):
+        raise ValueError(f"budget percentage must be a number in [0, 100], got {pct!r}")
+    value = float(pct)
+    if not math.isfinite(value) or not 0.0 <= value <= 100.0:
+        raise ValueError(f"budget percentage must be in [0, 100], got {pct!r}")
+    return value
+
+
+class Budget:
+    """A wall-time share per window, charged after each slice, plus the execution claim.
+
+    ``pct`` 0 means off: :meth:`available` is False. A change of ``pct`` made with
+    :meth:`set_pct` applies from the next window, except a change to 0, which stops
+    recovery at once.
+    """
+
+    def __init__(self, pct: float, window_s: float, *, clock: Clock = time.monotonic) -> None:
+        pct = validate_pct(pct)
+        if isinstance(window_s, bool) or not (
+            isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s > 0
+        ):
+            raise ValueError(
+                f"budget window must be a positive number of seconds, got {window_s!r}"
+            )
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._window_s = float(window_s)
+        self._pct = pct  # as last set
+        self._pct_in_window = pct  # what the current window allows
+        now = clock()
+        self._origin = now
+        self._window_index = 0
+        self._used = 0.0  # charged to the current window, carry included
+        self._carry = 0.0  # what the previous window's overshoot brought in
+        self._charged_total = 0.0
+        self._slices = 0
+        self._share_since = now
+        self._claim: str | None = None
+
+    # -- settings --------------------------------------------------------------------
+
+    @property
+    def pct(self) -> float:
+        """The percentage last set (it may apply from the next window on)."""
+        with self._lock:
+            return self._pct
+
+    @property
+    def window_s(self) -> float:
+        return self._window_s
+
+    def set_pct(self, pct: float) -> None:
+        """Change the share in place for every engine. Raises ValueError outside [0, 100]."""
+        value = validate_pct(pct)
+        with self._lock:
+            self._roll_locked(self._clock())
+            self._pct = value
+            if value == 0.0:
+                self._pct_in_window = 0.0
+
+    # -- spending --------------------------------------------------------------------
+
+    def available(self) -> bool:
+        """True when a slice may start now: the current window has allowance left."""
+        with self._lock:
+            self._roll_locked(self._clock())
+            return self._available_locked()
+
+    def seconds_until_available(self) -> float:
+        """0 when a slice may start now; ``math.inf`` when the budget is off; otherwise
+        the seconds until a window with allowance left begins."""
+        with self._lock:
+            now = self._clock()
+            self._roll_locked(now)
+            if self._available_locked():
+                return 0.0
+            if self._pct == 0.0:
+                return math.inf
+            to_next = self._window_start_locked(self._window_index + 1) - now
+            next_allowance = self._allowance(self._pct)
+            overshoot = max(0.0, self._used - self._allowance(self._pct_in_window))
+            next_carry = min(overshoot, next_allowance)
+            if next_carry >= next_allowance:
+                # The next window is spent by the carry alone; the one after starts clean.
+                to_next += self._window_s
+            # Never 0 while unavailable, even where float rounding puts "now" on a boundary.
+            return max(to_next, _MIN_WAIT_S)
+
+    def charge(self, seconds: float) -> None:
+        """Charge a slice that has run for ``seconds`` to the current window."""
+        if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+            log.warning("mlx-recovery: budget charge of %r seconds ignored", seconds)
+            return
+        with self._lock:
+            self._roll_locked(self._clock())
+            self._used += seconds
+            self._charged_total += seconds
+            self._slices += 1
+
+    def share_used(self) -> float:
+        """Measured share of wall time charged since creation or :meth:`reset_share`,
+        as a fraction (0.1 is 10 %)."""
+        with self._lock:
+            elapsed = self._clock() - self._share_since
+            return self._charged_total / elapsed if elapsed > 0 else 0.0
+
+    def reset_share(self) -> None:
+        """Start measuring :meth:`share_used` afresh from now."""
+        with self._lock:
+            self._charged_total = 0.0
+            self._slices = 0
+            self._share_since = self._clock()
+
+    # -- execution claim -------------------------------------------------------------
+
+    def try_claim(self, engine_id: str) -> bool:
+        """Take the execution claim for ``engine_id``; True if it now holds it (also
+        when it already did), False if another engine holds it."""
+        with self._lock:
+            if self._claim is None or self._claim == engine_id:
+                self._claim = engine_id
+                return True
+            return False
+
+    def release_claim(self, engine_id: str) -> None:
+        """Give the claim back if ``engine_id`` holds it; otherwise do nothing."""
+        with self._lock:
+            if self._claim == engine_id:
+                self._claim = None
+
+    @property
+    def claimed_by(self) -> str | None:
+        with self._lock:
+            return self._claim
+
+    # -- status ----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            now = self._clock()
+            self._roll_locked(now)
+            elapsed = now - self._share_since
+            return {
+                "pct": self._pct,
+                "pct_in_window": self._pct_in_window,
+                "window_s": self._window_s,
+                "allowance_s": self._allowance(self._pct_in_window),
+                "window_index": self._window_index,
+                "window_elapsed_s": now - self._window_start_locked(self._window_index),
+                "used_in_window_s": self._used,
+                "carry_s": self._carry,
+                "available": self._available_locked(),
+                "charged_s": self._charged_total,
+                "slices": self._slices,
+                "share_used": self._charged_total / elapsed if elapsed > 0 else 0.0,
+                "claimed_by": self._claim,
+            }
+
+    # -- private ---------------------------------------------------------------------
+
+    def _allowance(self, pct: float) -> float:
+        return self._window_s * pct / 100.0
+
+    def _available_locked(self) -> bool:
+        return self._pct_in_window > 0.0 and self._used < self._allowance(self._pct_in_window)
+
+    def _window_start_locked(self, index: int) -> float:
+        return self._origin + index * self._window_s
+
+    def _roll_locked(self, now: float) -> None:
+        """Move to the window that contains ``now``, carrying overshoot and applying
+        a changed ``pct``. A clock that goes backwards leaves the window as it is."""
+        index = int((now - self._origin) // self._window_s)
+        if index <= self._window_index:
+            return
+        overshoot = max(0.0, self._used - self._allowance(self._pct_in_window))
+        self._pct_in_window = self._pct
+        carry = min(overshoot, self._allowance(self._pct_in_window))
+        if index > self._window_index + 1:
+            # A whole window passed in between; its allowance absorbed the capped carry.
+            carry = 0.0
+        self._window_index = index
+        self._carry = carry
+        self._used = carry

@@ -1,0 +1,527 @@
+"""The out-of-process control channel: a unix socket only the process owner can use.
+
+``mlx-recovery status`` reads the serving process's recovery status and ``mlx-recovery
+budget PCT`` changes its budget in place. Nothing listens on a network port. The socket
+lives in an owner-only (0700) directory and is itself 0600: on macOS the socket file's own
+mode is not enforced on connect, so the directory is the real guard; on Linux the peer's
+uid is checked as well.
+
+Protocol: the client sends one JSON object on one line and reads one JSON object line
+back. ``{"op": "status"}`` -> ``{"ok": true, "status": {...}}``; ``{"op": "budget",
+"pct": 12.5}`` -> ``{"ok": true, "budget": {...}}``; anything wrong -> ``{"ok": false,
+"error": "..."}``. The server never lets a bad request or a failing callback end it.
+
+Threads: the server runs on its own daemon thread and answers each connection on a short
+lived thread; ``status`` and ``set_budget`` are called there, so they must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import math
+import os
+import selectors
+import socket
+import socketserver
+import stat
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ..settings import env_name
+from .budget import Budget, validate_pct
+
+log = logging.getLogger(__name__)
+
+SOCKET_DIR_NAME = "mlx-recovery"
+SOCKET_SUFFIX = ".sock"
+MAX_REQUEST_BYTES = 64 * 1024
+CONNECTION_TIMEOUT_S = 5.0
+OPS = ("status", "budget")
+# Values of MLX_RECOVERY_CONTROL_SOCKET that mean "no control channel".
+CONTROL_SOCKET_OFF = frozenset({"off", "none", "disabled", "false", "0"})
+# sun_path is 104 bytes on macOS and 108 on Linux, the terminating NUL included.
+_MAX_SOCKET_PATH = 103
+
+StatusFn = Callable[[], dict[str, Any]]
+SetBudgetFn = Callable[[float], dict[str, Any]]
+
+
+class ControlError(RuntimeError):
+    """The control channel cannot start, or a request could not be made."""
+
+
+# -- paths -------------------------------------------------------------------------------
+
+
+def socket_dirs() -> list[str]:
+    """The directories where servers of this user put their default sockets."""
+    dirs = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        dirs.append(os.path.join(runtime, SOCKET_DIR_NAME))
+    # /tmp literally, not $TMPDIR: a server and a CLI started from different
+    # environments must agree on the place.
+    dirs.append(os.path.join("/tmp", f"{SOCKET_DIR_NAME}-{os.getuid()}"))
+    return dirs
+
+
+def default_socket_path(pid: int | None = None) -> str:
+    """``$XDG_RUNTIME_DIR/mlx-recovery/<pid>.sock``, else ``/tmp/mlx-recovery-<uid>/<pid>.sock``."""
+    pid = os.getpid() if pid is None else pid
+    return os.path.join(socket_dirs()[0], f"{pid}{SOCKET_SUFFIX}")
+
+
+def resolve_socket_path(configured: str = "", pid: int | None = None) -> str:
+    """The configured path (``RecoverySettings.control_socket``) or the default one."""
+    return os.path.expanduser(configured) if configured else default_socket_path(pid)
+
+
+def _is_live(path: str, timeout: float = 0.5) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def find_sockets() -> list[str]:
+    """Live control sockets of this user's servers, in the default places."""
+    uid = os.getuid()
+    found = []
+    for directory in socket_dirs():
+        for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*" + SOCKET_SUFFIX))):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and _is_live(path):
+                found.append(path)
+    return found
+
+
+def _check_owner_only_dir(directory: Path) -> None:
+    """Create ``directory`` owner-only if missing; refuse one that is not a real
+    directory, is someone else's, or lets anyone else in."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        try:
+            os.mkdir(directory, 0o700)
+            st = os.lstat(directory)
+        except OSError as exc:
+            raise ControlError(f"cannot create control directory {directory}: {exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise ControlError(f"control directory {directory} is not a directory (or is a link)")
+    if st.st_uid != os.getuid():
+        raise ControlError(
+            f"control directory {directory} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.getuid()}); refusing to use it"
+        )
+    if st.st_mode & 0o077:
+        raise ControlError(
+            f"control directory {directory} must be owner-only (0700), it is "
+            f"{stat.S_IMODE(st.st_mode):04o}; fix it or choose another {env_name('control_socket')}"
+        )
+
+
+def _clear_stale_socket(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.getuid():
+        raise ControlError(f"{path} is owned by uid {st.st_uid}, not by this user; refusing it")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ControlError(f"{path} exists and is not a socket; refusing to replace it")
+    if _is_live(path):
+        raise ControlError(f"{path} is already served by another process")
+    os.unlink(path)
+
+
+# -- server ------------------------------------------------------------------------------
+
+
+def _peer_uid(sock: socket.socket) -> int | None:
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", raw)
+    except OSError:
+        return None
+    return uid
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S
+    server: _UnixServer
+
+    def handle(self) -> None:
+        try:
+            peer = _peer_uid(self.connection)
+            if peer is not None and peer not in (os.getuid(), 0):
+                response = _error(f"uid {peer} may not use this channel")
+            else:
+                line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
+                if not line.strip():
+                    return  # a liveness probe, or a client that said nothing
+                if len(line) > MAX_REQUEST_BYTES:
+                    response = _error(f"request longer than {MAX_REQUEST_BYTES} bytes")
+                else:
+                    response = self.server.control.answer_line(line)
+            self.wfile.write(_encode(response))
+        except OSError:
+            pass  # the client went away or stalled; nothing to answer
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    timeout = 0.5  # handle_request() never blocks the stop long, even if a client vanished
+    request_queue_size = 64
+    control: ControlServer
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"ok": False, "error": message}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with strict-JSON types only: non-finite floats become strings ("inf"),
+    enums their values, tuples and sets lists, anything else unknown its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Enum):
+        return _plain(value.value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _encode(response: dict[str, Any]) -> bytes:
+    return json.dumps(_plain(response)).encode() + b"\n"
+
+
+def _serve(server: _UnixServer, wake_fd: int) -> None:
+    """Accept connections until a byte arrives on ``wake_fd``: stopping is immediate,
+    and an idle server sleeps instead of polling."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(server.socket, selectors.EVENT_READ)
+        selector.register(wake_fd, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj == wake_fd:
+                    return
+                server.handle_request()
+
+
+class ControlServer:
+    """Serves ``status`` and ``budget`` requests on a unix socket at ``path``."""
+
+    def __init__(self, path: str, status: StatusFn, set_budget: SetBudgetFn) -> None:
+        self.path = path
+        self._status = status
+        self._set_budget = set_budget
+        self._lock = threading.Lock()  # owns _server, _thread, _wake, _inode
+        self._server: _UnixServer | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None  # (read end, write end) of the stop pipe
+        self._inode: int | None = None
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._server is not None
+
+    def start(self) -> None:
+        """Create the socket (0600, in a 0700 directory) and serve it on a daemon thread.
+        Raises :class:`ControlError` when the path is unsafe or already served."""
+        with self._lock:
+            if self._server is not None:
+                return
+            if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
+                raise ControlError(
+                    f"socket path {self.path} is longer than {_MAX_SOCKET_PATH} bytes; "
+                    f"choose a shorter {env_name('control_socket')}"
+                )
+            _check_owner_only_dir(Path(self.path).parent)
+            _clear_stale_socket(self.path)
+            server = _UnixServer(self.path, _Handler, bind_and_activate=False)
+            server.control = self
+            try:
+                server.server_bind()
+                os.chmod(self.path, 0o600)
+                self._inode = os.lstat(self.path).st_ino
+                server.server_activate()
+            except OSError as exc:
+                server.server_close()
+                self._unlink_own_locked()
+                raise ControlError(f"cannot serve control socket {self.path}: {exc}") from exc
+            wake = os.pipe()
+            thread = threading.Thread(
+                target=_serve, args=(server, wake[0]), name="mlx-recovery-control", daemon=True
+            )
+            self._server, self._thread, self._wake = server, thread, wake
+            thread.start()
+        log.info("mlx-recovery: control socket at %s", self.path)
+
+    def stop(self) -> None:
+        """Stop serving and remove the socket file. Idempotent."""
+        with self._lock:
+            server, thread, wake = self._server, self._thread, self._wake
+            self._server, self._thread, self._wake = None, None, None
+            if server is None:
+                return
+            if wake is not None:
+                os.write(wake[1], b"x")
+            if thread is not None:
+                thread.join(timeout=5.0)
+            server.server_close()
+            if wake is not None:
+                os.close(wake[0])
+                os.close(wake[1])
+            self._unlink_own_locked()
+
+    def __enter__(self) -> ControlServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def answer_line(self, line: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(f"request is not JSON: {exc}")
+        return self.answer(request)
+
+    def answer(self, request: Any) -> dict[str, Any]:
+        """The response to one decoded request. Never raises."""
+        if not isinstance(request, dict):
+            return _error('request must be a JSON object such as {"op": "status"}')
+        op = request.get("op")
+        if op == "status":
+            try:
+                return {"ok": True, "status": self._status()}
+            except Exception as exc:  # noqa: BLE001 - the channel outlives a failing status
+                return _error(f"status failed: {type(exc).__name__}: {exc}")
+        if op == "budget":
+            try:
+                pct = validate_pct(request.get("pct"))  # type: ignore[arg-type]
+                return {"ok": True, "budget": self._set_budget(pct)}
+            except ValueError as exc:
+                return _error(str(exc))
+            except Exception as exc:  # noqa: BLE001
+                return _error(f"budget change failed: {type(exc).__name__}: {exc}")
+        return _error(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
+
+    def _unlink_own_locked(self) -> None:
+        # Remove the file only if it is still the socket this server bound.
+        try:
+            if self._inode is not None and os.lstat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        self._inode = None
+
+
+def budget_setter(budget: Budget) -> SetBudgetFn:
+    """A ``set_budget`` callback for :class:`ControlServer` that changes ``budget`` in
+    place and answers with its snapshot."""
+
+    def set_budget(pct: float) -> dict[str, Any]:
+        budget.set_pct(pct)
+        return budget.snapshot()
+
+    return set_budget
+
+
+# -- client ------------------------------------------------------------------------------
+
+
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    # A full listen backlog makes a unix-socket connect fail at once with EAGAIN (Linux)
+    # instead of waiting; wait for room, within the timeout.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError from None
+            time.sleep(0.01)
+
+
+def request(path: str, payload: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one request to the server at ``path`` and return its decoded response.
+    Raises :class:`ControlError` when the server cannot be reached or answers garbage."""
+    data = json.dumps(payload).encode() + b"\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            _connect(sock, path, timeout)
+            sock.sendall(data)
+            chunks = []
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                if chunk.endswith(b"\n"):
+                    break
+        except FileNotFoundError:
+            raise ControlError(f"no control socket at {path}") from None
+        except ConnectionRefusedError:
+            raise ControlError(f"nothing is serving {path} (a stale socket?)") from None
+        except PermissionError:
+            raise ControlError(f"not allowed to use {path} (it belongs to another user?)") from None
+        except TimeoutError:
+            raise ControlError(f"{path} did not answer within {timeout:g} s") from None
+        except OSError as exc:
+            raise ControlError(f"cannot talk to {path}: {exc}") from None
+    try:
+        response = json.loads(b"".join(chunks))
+    except ValueError:
+        raise ControlError(f"{path} answered something that is not JSON") from None
+    if not isinstance(response, dict):
+        raise ControlError(f"{path} answered something that is not a JSON object")
+    return response
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``status`` and ``budget`` to an argparse sub-command set. Each sets
+    ``func(args) -> int`` (the exit code) as its handler."""
+    status = subparsers.add_parser(
+        "status", help="show recovery status of the running server (over its control socket)"
+    )
+    status.add_argument("--socket", help="control socket path (default: find this user's one)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON status")
+    status.set_defaults(func=status_command)
+
+    budget = subparsers.add_parser(
+        "budget", help="change the running server's recovery budget in place (0 = off)"
+    )
+    budget.add_argument("pct", type=float, help="share of wall time for recovery, 0..100")
+    budget.add_argument("--socket", help="control socket path (default: find this user's one)")
+    budget.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    budget.set_defaults(func=budget_command)
+
+
+def target_socket(given: str | None) -> str:
+    """The socket a command talks to: ``--socket``, else the configured one, else the
+    single live socket of this user. Raises :class:`ControlError` when none or several."""
+    if given:
+        return os.path.expanduser(given)
+    configured = os.environ.get(env_name("control_socket"), "").strip()
+    if configured.lower() in CONTROL_SOCKET_OFF:
+        raise ControlError(
+            f"the control channel is off ({env_name('control_socket')}={configured})"
+        )
+    if configured:
+        return os.path.expanduser(configured)
+    found = find_sockets()
+    if not found:
+        raise ControlError(
+            "no running server with mlx-recovery found (looked in "
+            + ", ".join(socket_dirs())
+            + "); pass --socket PATH"
+        )
+    if len(found) > 1:
+        raise ControlError(
+            "several servers with mlx-recovery are running; pick one with --socket:\n  "
+            + "\n  ".join(found)
+        )
+    return found[0]
+
+
+def status_command(args: argparse.Namespace) -> int:
+    response = _call(args, {"op": "status"})
+    if response is None:
+        return 1
+    if args.json:
+        print(json.dumps(response["status"], indent=2, sort_keys=True))
+    else:
+        print("\n".join(format_tree(response["status"])))
+    return 0
+
+
+def budget_command(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.pct) and 0.0 <= args.pct <= 100.0):
+        print(f"mlx-recovery: budget must be in [0, 100], got {args.pct:g}", file=sys.stderr)
+        return 2
+    response = _call(args, {"op": "budget", "pct": args.pct})
+    if response is None:
+        return 1
+    if args.json:
+        print(json.dumps(response["budget"], indent=2, sort_keys=True))
+    elif args.pct == 0:
+        print("mlx-recovery: budget set to 0 %: recovery is off from now on")
+    else:
+        print(f"mlx-recovery: budget set to {args.pct:g} % of wall time, from the next window")
+    return 0
+
+
+def _call(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        response = request(target_socket(getattr(args, "socket", None)), payload)
+    except ControlError as exc:
+        print(f"mlx-recovery: {exc}", file=sys.stderr)
+        return None
+    if not response.get("ok"):
+        reason = response.get("error", "no reason given")
+        print(f"mlx-recovery: the server refused: {reason}", file=sys.stderr)
+        return None
+    return response
+
+
+def format_tree(value: Any, indent: int = 0) -> list[str]:
+    """A nested status as indented ``key: value`` lines."""
+    pad = "  " * indent
+    if isinstance(value, dict):
+        lines = []
+        for key, item in value.items():
+            if isinstance(item, dict) and item:
+                lines.append(f"{pad}{key}:")
+                lines.extend(format_tree(item, indent + 1))
+            elif isinstance(item, list) and any(isinstance(x, dict) for x in item):
+                lines.append(f"{pad}{key}:")
+                for element in item:
+                    sub = format_tree(element, indent + 2)
+                    lines.append(f"{pad}  - " + sub[0].lstrip() if sub else f"{pad}  -")
+                    lines.extend(sub[1:])
+            else:
+                lines.append(f"{pad}{key}: {_scalar(item)}")
+        return lines
+    return [f"{pad}{_scalar(value)}"]
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_scalar(v) for v in value) if value else "-"
+    if isinstance(value, dict):
+        return "-"
+    if value is None:
+        return "-"
+    return str(value)

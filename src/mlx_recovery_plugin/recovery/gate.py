@@ -1,0 +1,185 @@
+"""The runnable gate: may a recovery slice start on this engine now, and if not, why.
+
+One predicate over the whole process, so that foreground work anywhere stops the next
+slice. It only reads: the caller takes the execution claim after a yes, so a refusal has
+no side effect. It never raises: a host port that fails counts as a refusal.
+
+Threads: called on the engine thread that would run the slice; everything it reads is
+either lock-protected (registry, budget) or documented as safe from any thread (the
+engine ports' ``queues_empty`` / ``is_busy`` / ``sparse_route_live``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..ports import EnginePort
+from .budget import Budget
+from .registry import ArrivalRegistry
+
+log = logging.getLogger(__name__)
+
+MODEL_NOT_OPTED_IN = "model_not_opted_in"
+QUEUES_BUSY = "queues_busy"
+SPARSE_ROUTE_LIVE = "sparse_route_live"
+NOT_ENOUGH_IDLE_STEPS = "not_enough_idle_steps"
+OTHER_ENGINE_BUSY = "other_engine_busy"
+FOREGROUND_ACTIVE = "foreground_active"
+BUDGET_OFF = "budget_off"
+BUDGET_SPENT = "budget_spent"
+CLAIM_TAKEN = "claim_taken"
+MEMORY_PRESSURE = "memory_pressure"
+HOST_ERROR = "host_error"
+
+REASONS: tuple[str, ...] = (
+    MODEL_NOT_OPTED_IN,
+    QUEUES_BUSY,
+    SPARSE_ROUTE_LIVE,
+    NOT_ENOUGH_IDLE_STEPS,
+    OTHER_ENGINE_BUSY,
+    FOREGROUND_ACTIVE,
+    BUDGET_OFF,
+    BUDGET_SPENT,
+    CLAIM_TAKEN,
+    MEMORY_PRESSURE,
+    HOST_ERROR,
+)
+
+# Share of the device's memory above which recovery stays out of the way.
+DEFAULT_MEMORY_FRACTION = 0.85
+
+
+@dataclass(slots=True, frozen=True)
+class GateDecision:
+    runnable: bool
+    reason: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.runnable
+
+
+RUNNABLE = GateDecision(True, None)
+
+
+class RunnableGate:
+    """Checks, in order: the model opted in, this engine's queues empty, no sparse-route
+    request live, enough consecutive idle steps, no other engine working, no request
+    arrived and not departed anywhere, budget available, claim free, memory below the
+    probe's limit. The first failing check is the reason; a port of this engine that
+    raises gives :data:`HOST_ERROR`.
+
+    ``opted_in`` and ``idle_steps_for`` take the engine's **model id** (as
+    :meth:`RecoverySettings.recovery_enabled_for` and ``idle_steps_for`` do).
+    """
+
+    def __init__(
+        self,
+        registry: ArrivalRegistry,
+        budget: Budget,
+        *,
+        engines: Callable[[], Iterable[EnginePort]],
+        opted_in: Callable[[str], bool],
+        idle_steps_for: Callable[[str], int],
+        memory_ok: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.registry = registry
+        self.budget = budget
+        self._engines = engines
+        self._opted_in = opted_in
+        self._idle_steps_for = idle_steps_for
+        self._memory_ok = memory_ok
+
+    def check(self, engine: EnginePort, consecutive_idle: int) -> GateDecision:
+        try:
+            return self._check(engine, consecutive_idle)
+        except Exception as exc:  # noqa: BLE001 - a failing port must not reach the host
+            log.warning("mlx-recovery: runnable gate could not ask the host: %r", exc)
+            return GateDecision(False, HOST_ERROR)
+
+    def _check(self, engine: EnginePort, consecutive_idle: int) -> GateDecision:
+        model_id = engine.model_id
+        if not self._opted_in(model_id):
+            return GateDecision(False, MODEL_NOT_OPTED_IN)
+        if not engine.queues_empty():
+            return GateDecision(False, QUEUES_BUSY)
+        if engine.sparse_route_live():
+            return GateDecision(False, SPARSE_ROUTE_LIVE)
+        if consecutive_idle < self._idle_steps_for(model_id):
+            return GateDecision(False, NOT_ENOUGH_IDLE_STEPS)
+        for other in self._engines():
+            if other.engine_id != engine.engine_id and _working(other):
+                return GateDecision(False, OTHER_ENGINE_BUSY)
+        if self.registry.foreground_active():
+            return GateDecision(False, FOREGROUND_ACTIVE)
+        if not self.budget.available():
+            return GateDecision(False, BUDGET_OFF if self.budget.pct == 0 else BUDGET_SPENT)
+        claim = self.budget.claimed_by
+        if claim is not None and claim != engine.engine_id:
+            return GateDecision(False, CLAIM_TAKEN)
+        if not self._memory_ok():
+            return GateDecision(False, MEMORY_PRESSURE)
+        return RUNNABLE
+
+
+def _working(engine: EnginePort) -> bool:
+    """Another engine prefills, decodes or has queued work. One whose port fails (it is
+    going away, say) counts as working: that is its host's trouble, not this engine's."""
+    try:
+        return engine.is_busy() or not engine.queues_empty()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("mlx-recovery: engine %r did not answer the gate: %r", engine, exc)
+        return True
+
+
+def device_memory_limit() -> int | None:
+    """Bytes of memory MLX may use on the default device, or None when MLX does not say
+    (the CPU build reports no memory size)."""
+    import mlx.core as mx
+
+    info_fn = getattr(mx, "device_info", None)
+    if info_fn is None:  # older MLX kept it under mx.metal
+        metal = getattr(mx, "metal", None)
+        info_fn = getattr(metal, "device_info", None) if metal is not None else None
+    if info_fn is None:
+        return None
+    try:
+        info = info_fn()
+    except Exception:  # noqa: BLE001 - no device information is not an error
+        return None
+    for key in ("max_recommended_working_set_size", "memory_size"):
+        value = info.get(key) if isinstance(info, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def memory_probe(
+    fraction: float = DEFAULT_MEMORY_FRACTION,
+    *,
+    limit_bytes: int | None = None,
+    active_bytes: Callable[[], int] | None = None,
+) -> Callable[[], bool]:
+    """A ``memory_ok`` probe for :class:`RunnableGate`: False while MLX's active memory is
+    above ``fraction`` of the device's limit. Where no limit is known (CPU), always True.
+    ``limit_bytes`` and ``active_bytes`` override what MLX reports (tests, hosts that
+    know better)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"memory fraction must be in (0, 1], got {fraction!r}")
+    limit = limit_bytes if limit_bytes is not None else device_memory_limit()
+    if active_bytes is None:
+        import mlx.core as mx
+
+        active_bytes = mx.get_active_memory
+    read_active = active_bytes
+
+    def memory_ok() -> bool:
+        if not limit:
+            return True
+        try:
+            return read_active() <= fraction * limit
+        except Exception:  # noqa: BLE001 - an unreadable probe must not block forever
+            return True
+
+    return memory_ok

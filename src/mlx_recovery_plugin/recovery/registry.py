@@ -1,0 +1,188 @@
+"""The process-global arrival registry: which requests exist anywhere in the process.
+
+A request counts as foreground work from its arrival until its departure, on whichever
+engine it arrived. Recovery may only run while no such request exists, so this is the one
+piece that runs on every request even with recovery off, and it stays a few dict
+operations under one lock.
+
+Threads: arrivals may come from any thread (the host's request threads); admissions and
+departures from engine threads; readers from anywhere. All mutable state below is owned
+by ``_lock``. Arrival listeners run on the arriving thread, outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ArrivalListener = Callable[[str, str], None]
+
+# Kinds of bad input; each is logged once per registry and then only counted.
+DUPLICATE_ARRIVAL = "duplicate_arrival"
+ADMISSION_UNKNOWN = "admission_unknown"
+DEPARTURE_UNKNOWN = "departure_unknown"
+SECOND_DEPARTURE = "second_departure"
+LISTENER_ERROR = "listener_error"
+
+# How many departed ids are remembered to tell a second departure from an unknown one.
+_RECENT_DEPARTURES = 4096
+
+
+class ArrivalRegistry:
+    """Arrival, admission and departure of every request on every engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # engine id -> request id -> admitted?
+        self._live: dict[str, dict[str, bool]] = {}
+        self._active = 0
+        self._arrivals = 0
+        self._departures = 0
+        self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._bad: Counter[str] = Counter()
+        self._listeners: list[ArrivalListener] = []
+
+    # -- updates ---------------------------------------------------------------------
+
+    def arrived(self, engine_id: str, request_id: str) -> None:
+        """A request entered ``engine_id``'s waiting queue. Any thread."""
+        key = (engine_id, request_id)
+        with self._lock:
+            requests = self._live.setdefault(engine_id, {})
+            if request_id in requests:
+                first = self._note_bad_locked(DUPLICATE_ARRIVAL)
+                listeners: list[ArrivalListener] = []
+            else:
+                first = False
+                requests[request_id] = False
+                self._recent.pop(key, None)
+                self._active += 1
+                self._arrivals += 1
+                listeners = list(self._listeners)
+        if first:
+            log.debug(
+                "mlx-recovery: request %r arrived twice on %r; ignored", request_id, engine_id
+            )
+        for listener in listeners:
+            try:
+                listener(engine_id, request_id)
+            except Exception as exc:  # noqa: BLE001 - a listener must not break arrivals
+                with self._lock:
+                    report = self._note_bad_locked(LISTENER_ERROR)
+                if report:
+                    log.error("mlx-recovery: arrival listener %r failed: %r", listener, exc)
+
+    def admitted(self, engine_id: str, request_id: str) -> None:
+        """The engine moved the request from waiting to running. Engine thread."""
+        with self._lock:
+            requests = self._live.get(engine_id)
+            if requests is not None and request_id in requests:
+                requests[request_id] = True
+                return
+            first = self._note_bad_locked(ADMISSION_UNKNOWN)
+        if first:
+            log.warning(
+                "mlx-recovery: admission of unknown request %r on %r ignored "
+                "(further ones are only counted)",
+                request_id,
+                engine_id,
+            )
+
+    def departed(self, engine_id: str, request_id: str) -> None:
+        """The request left its engine for good. Engine thread. Idempotent."""
+        key = (engine_id, request_id)
+        with self._lock:
+            requests = self._live.get(engine_id)
+            if requests is not None and request_id in requests:
+                del requests[request_id]
+                if not requests:
+                    del self._live[engine_id]
+                self._active -= 1
+                self._departures += 1
+                self._remember_departed_locked(key)
+                return
+            kind = SECOND_DEPARTURE if key in self._recent else DEPARTURE_UNKNOWN
+            first = self._note_bad_locked(kind)
+        if first:
+            log.warning(
+                "mlx-recovery: %s of request %r on %r ignored (further ones are only counted)",
+                "second departure" if kind == SECOND_DEPARTURE else "departure before arrival",
+                request_id,
+                engine_id,
+            )
+
+    def forget_engine(self, engine_id: str) -> int:
+        """Treat every request still live on ``engine_id`` as departed (the engine shut
+        down or its model was unloaded without reporting each departure). Returns how
+        many were dropped."""
+        with self._lock:
+            requests = self._live.pop(engine_id, {})
+            for request_id in requests:
+                self._remember_departed_locked((engine_id, request_id))
+            self._active -= len(requests)
+            self._departures += len(requests)
+            return len(requests)
+
+    def add_arrival_listener(self, fn: ArrivalListener) -> None:
+        """Call ``fn(engine_id, request_id)`` on every new arrival, on the arriving
+        thread, outside the lock. It must be quick; an exception it raises is logged."""
+        with self._lock:
+            if fn not in self._listeners:
+                self._listeners.append(fn)
+
+    def remove_arrival_listener(self, fn: ArrivalListener) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    # -- queries ---------------------------------------------------------------------
+
+    def foreground_active(self) -> bool:
+        """True while any request has arrived and not departed, on any engine."""
+        with self._lock:
+            return self._active > 0
+
+    def active_on(self, engine_id: str) -> int:
+        """Requests arrived and not departed on ``engine_id``."""
+        with self._lock:
+            return len(self._live.get(engine_id, ()))
+
+    @property
+    def arrival_count(self) -> int:
+        """Arrivals since creation; a change means foreground work came in meanwhile."""
+        with self._lock:
+            return self._arrivals
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "active": self._active,
+                "arrivals": self._arrivals,
+                "departures": self._departures,
+                "engines": {
+                    engine_id: {
+                        "active": len(requests),
+                        "admitted": sum(requests.values()),
+                    }
+                    for engine_id, requests in self._live.items()
+                },
+                "bad_input": dict(self._bad),
+            }
+
+    # -- private ---------------------------------------------------------------------
+
+    def _note_bad_locked(self, kind: str) -> bool:
+        """Count one bad input; True the first time this kind is seen."""
+        self._bad[kind] += 1
+        return self._bad[kind] == 1
+
+    def _remember_departed_locked(self, key: tuple[str, str]) -> None:
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+        while len(self._recent) > _RECENT_DEPARTURES:
+            self._recent.popitem(last=False)

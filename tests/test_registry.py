@@ -1,0 +1,203 @@
+"""The arrival registry: foreground work is any request arrived and not departed, anywhere."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from mlx_recovery_plugin.recovery.registry import (
+    ADMISSION_UNKNOWN,
+    DEPARTURE_UNKNOWN,
+    DUPLICATE_ARRIVAL,
+    LISTENER_ERROR,
+    SECOND_DEPARTURE,
+    ArrivalRegistry,
+)
+
+
+def test_arrival_is_foreground_work_until_departure() -> None:
+    registry = ArrivalRegistry()
+    assert not registry.foreground_active()
+    registry.arrived("e1", "r1")
+    assert registry.foreground_active()
+    registry.admitted("e1", "r1")
+    assert registry.foreground_active(), "admission does not end foreground work"
+    registry.departed("e1", "r1")
+    assert not registry.foreground_active()
+
+
+def test_a_request_on_any_engine_keeps_the_whole_process_busy() -> None:
+    registry = ArrivalRegistry()
+    registry.arrived("e1", "r1")
+    registry.arrived("e2", "r2")
+    registry.departed("e1", "r1")
+    assert registry.foreground_active()
+    assert registry.active_on("e1") == 0
+    assert registry.active_on("e2") == 1
+    registry.departed("e2", "r2")
+    assert not registry.foreground_active()
+
+
+def test_the_same_request_id_on_two_engines_counts_twice() -> None:
+    registry = ArrivalRegistry()
+    registry.arrived("e1", "r")
+    registry.arrived("e2", "r")
+    registry.departed("e1", "r")
+    assert registry.foreground_active()
+    assert registry.snapshot()["engines"] == {"e2": {"active": 1, "admitted": 0}}
+
+
+def test_bad_input_never_raises_and_changes_nothing() -> None:
+    registry = ArrivalRegistry()
+    registry.arrived("e1", "live")
+    registry.departed("e1", "never-arrived")
+    registry.admitted("e1", "never-arrived")
+    registry.arrived("e1", "live")
+    registry.arrived("e1", "done")
+    registry.departed("e1", "done")
+    registry.departed("e1", "done")
+    registry.admitted("e9", "nobody")
+
+    snap = registry.snapshot()
+    assert snap["active"] == 1 and registry.active_on("e1") == 1
+    assert snap["bad_input"] == {
+        DEPARTURE_UNKNOWN: 1,
+        ADMISSION_UNKNOWN: 2,
+        DUPLICATE_ARRIVAL: 1,
+        SECOND_DEPARTURE: 1,
+    }
+    registry.departed("e1", "live")
+    assert not registry.foreground_active()
+
+
+def test_bad_input_is_logged_once_per_kind(caplog) -> None:
+    registry = ArrivalRegistry()
+    with caplog.at_level(logging.WARNING, logger="mlx_recovery_plugin.recovery.registry"):
+        for i in range(5):
+            registry.departed("e1", f"ghost-{i}")
+            registry.admitted("e1", f"ghost-{i}")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert any("departure before arrival" in m for m in messages)
+    assert any("admission of unknown request" in m for m in messages)
+    assert registry.snapshot()["bad_input"] == {DEPARTURE_UNKNOWN: 5, ADMISSION_UNKNOWN: 5}
+
+
+def test_a_request_id_may_be_reused_after_its_departure() -> None:
+    registry = ArrivalRegistry()
+    registry.arrived("e1", "r1")
+    registry.departed("e1", "r1")
+    registry.arrived("e1", "r1")
+    assert registry.foreground_active()
+    registry.departed("e1", "r1")
+    assert not registry.foreground_active()
+    assert registry.snapshot()["bad_input"] == {}
+
+
+def test_forgetting_an_engine_ends_its_foreground_work() -> None:
+    registry = ArrivalRegistry()
+    registry.arrived("e1", "a")
+    registry.arrived("e1", "b")
+    registry.arrived("e2", "c")
+    assert registry.forget_engine("e1") == 2
+    assert registry.active_on("e1") == 0 and registry.foreground_active()
+    registry.departed("e1", "a")  # the host reports it late: a second departure, ignored
+    assert registry.snapshot()["bad_input"] == {SECOND_DEPARTURE: 1}
+
+
+def test_arrival_listeners_run_on_every_arrival_outside_the_lock() -> None:
+    registry = ArrivalRegistry()
+    seen: list[tuple[str, str, int]] = []
+    # The listener reads the registry: under the registry's lock this would deadlock.
+    registry.add_arrival_listener(lambda e, r: seen.append((e, r, registry.active_on(e))))
+    worker = threading.Thread(target=lambda: [registry.arrived("e1", f"r{i}") for i in range(3)])
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "listener ran under the registry lock"
+    assert seen == [("e1", "r0", 1), ("e1", "r1", 2), ("e1", "r2", 3)]
+    registry.arrived("e1", "r0")  # a duplicate is not a new arrival
+    assert len(seen) == 3
+
+
+def test_a_failing_listener_does_not_stop_the_arrival_or_other_listeners(caplog) -> None:
+    registry = ArrivalRegistry()
+    seen: list[str] = []
+
+    def broken(engine_id: str, request_id: str) -> None:
+        raise RuntimeError("listener bug")
+
+    registry.add_arrival_listener(broken)
+    registry.add_arrival_listener(lambda e, r: seen.append(r))
+    with caplog.at_level(logging.ERROR, logger="mlx_recovery_plugin.recovery.registry"):
+        registry.arrived("e1", "r1")
+        registry.arrived("e1", "r2")
+    assert registry.active_on("e1") == 2
+    assert seen == ["r1", "r2"]
+    assert len(caplog.records) == 1
+    assert registry.snapshot()["bad_input"] == {LISTENER_ERROR: 2}
+
+
+def test_eight_threads_of_arrivals_and_departures_leave_the_registry_empty() -> None:
+    registry = ArrivalRegistry()
+    start = threading.Barrier(9)
+
+    def engine(n: int) -> None:
+        start.wait()
+        for i in range(500):
+            rid = f"r{i}"  # the same ids on every engine, and reused after departure
+            registry.arrived(f"e{n}", rid)
+            registry.admitted(f"e{n}", rid)
+            registry.departed(f"e{n}", rid)
+            registry.arrived(f"e{n}", rid)
+            registry.departed(f"e{n}", rid)
+
+    def reader() -> None:
+        start.wait()
+        for _ in range(2000):
+            registry.foreground_active()
+            registry.snapshot()
+
+    threads = [threading.Thread(target=engine, args=(n,)) for n in range(8)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    snap = registry.snapshot()
+    assert not registry.foreground_active()
+    assert snap["active"] == 0 and snap["engines"] == {}
+    assert snap["arrivals"] == snap["departures"] == 8 * 500 * 2
+    assert snap["bad_input"] == {}
+
+
+def test_arrivals_on_request_threads_and_departures_on_engine_threads_balance() -> None:
+    registry = ArrivalRegistry()
+    handoff: queue.Queue[tuple[str, str] | None] = queue.Queue()
+
+    def request_thread(n: int) -> None:
+        for i in range(500):
+            engine_id, rid = f"e{i % 2}", f"t{n}-{i}"
+            registry.arrived(engine_id, rid)
+            handoff.put((engine_id, rid))
+
+    def engine_thread() -> None:
+        while (item := handoff.get()) is not None:
+            registry.admitted(*item)
+            registry.departed(*item)
+
+    producers = [threading.Thread(target=request_thread, args=(n,)) for n in range(4)]
+    consumers = [threading.Thread(target=engine_thread) for _ in range(4)]
+    for t in producers + consumers:
+        t.start()
+    for t in producers:
+        t.join()
+    for _ in consumers:
+        handoff.put(None)
+    for t in consumers:
+        t.join()
+
+    assert not registry.foreground_active()
+    assert registry.snapshot()["arrivals"] == 2000
+    assert registry.snapshot()["bad_input"] == {}
