@@ -1,0 +1,153 @@
+"""``mlx-recovery bench interference``: what a request pays for arriving during recovery.
+
+Per trial, on a threaded mock host with recovery on: a long sparse-served prompt leaves a
+recovery job; while slices run, a short request arrives at a random moment and its time to
+first token is measured; the same request is then served on the now idle host for the
+baseline. Extra wait = during - baseline. Slice sizes 4096/1024/512/256, interruptible
+slices on and off, configurations interleaved trial by trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..plugins import make_plugin_manager
+from ..recovery.plugin import RecoveryPlugin
+from ..settings import ModelSettings, RecoverySettings
+from ..testing.host import MockHost
+from ..testing.tiny_model import TinyModelSpec
+from .stats import Spread, spread
+
+MODEL_ID = "bench-interference"
+DEFAULT_TARGET = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704, seed=41)
+DEFAULT_DRAFT = TinyModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=42)
+
+
+@dataclass(slots=True)
+class InterferenceRow:
+    slice_tokens: int
+    interruptible: bool
+    extra_wait: Spread
+    slice_seconds: float
+
+    @property
+    def worst_fraction_of_slice(self) -> float:
+        return self.extra_wait.high / self.slice_seconds if self.slice_seconds else float("nan")
+
+
+def _host(models: Any, slice_tokens: int, interruptible: bool, block_size: int) -> tuple[MockHost, RecoveryPlugin]:
+    plugin = RecoveryPlugin(
+        settings=RecoverySettings(
+            budget_pct=100.0,
+            budget_window_s=1.0,
+            slice_tokens=slice_tokens,
+            interruptible=interruptible,
+            idle_steps=1,
+            models={MODEL_ID: ModelSettings(enabled=True)},
+        ),
+        control_socket=False,
+    )
+    host = MockHost(make_plugin_manager([plugin], settings=RecoverySettings(), entry_points_too=False))
+    model, tokenizer, draft = models
+    host.add_engine(
+        "e0", model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL_ID,
+        block_size=block_size, prefill_step=512, sparse_threshold=1024, pool_blocks=4096,
+    )
+    return host, plugin
+
+
+def _trial(models: Any, slice_tokens: int, interruptible: bool, rng: random.Random, context: int, block_size: int, probe_len: int) -> tuple[float, float]:
+    """One arrival during recovery and its idle baseline; returns (during, baseline) TTFT."""
+    host, plugin = _host(models, slice_tokens, interruptible, block_size)
+    long_prompt = [rng.randrange(256) for _ in range(context)]
+    probe = [rng.randrange(256) for _ in range(probe_len)]
+    host.start()
+    try:
+        host.wait(host.submit("e0", long_prompt, max_tokens=1, sparse=True), timeout=600)
+        # Land at a random moment once slices are under way.
+        deadline = time.monotonic() + 60
+        while plugin.status()["process"]["slices"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.5))
+        during = host.wait(host.submit("e0", probe, max_tokens=1), timeout=600).ttft_s or 0.0
+        plugin.set_budget(0.0)  # the baseline must not meet a slice
+        probe2 = [(t + 1) % 256 for t in probe]
+        baseline = host.wait(host.submit("e0", probe2, max_tokens=1), timeout=600).ttft_s or 0.0
+    finally:
+        host.stop()
+        plugin.close()
+    return during, baseline
+
+
+def _slice_seconds(models: Any, slice_tokens: int, block_size: int) -> float:
+    """Median time of one uninterrupted slice of this size, with the plugin's own runner."""
+    from ..runner import SliceRunner
+
+    host, plugin = _host(models, slice_tokens, False, block_size)
+    engine = host.engines["e0"]
+    runner = SliceRunner(engine.model, block_size, interruptible=False)
+    samples = []
+    for _ in range(3):
+        live = runner.begin([i % 256 for i in range(slice_tokens)], None)
+        samples.append(runner.advance(live, slice_tokens).seconds)
+        runner.discard(live)
+    plugin.close()
+    return spread(samples).median
+
+
+def run_interference_bench(
+    slice_sizes: tuple[int, ...] = (4096, 1024, 512, 256),
+    trials: int = 5,
+    context: int = 8192,
+    probe_len: int = 64,
+    block_size: int = 256,
+    seed: int = 0,
+    models: Any = None,
+    progress: Any = print,
+) -> list[InterferenceRow]:
+    from ..demo.run import DemoConfig, prepare_models
+
+    if models is None:
+        loaded = prepare_models(DemoConfig(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT))
+        models = (loaded.model, loaded.tokenizer, loaded.draft)
+    rng = random.Random(seed)
+    configs = [(s, i) for s in slice_sizes for i in (True, False)]
+    waits: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
+    for trial in range(trials):
+        for config in configs:
+            during, baseline = _trial(models, *config, rng, context, block_size, probe_len)
+            waits[config].append(max(0.0, during - baseline))
+            progress(f"trial {trial + 1}/{trials} slice {config[0]:>5} interruptible {str(config[1]):<5} "
+                     f"ttft during {during:.3f}s baseline {baseline:.3f}s")
+    slice_time = {s: _slice_seconds(models, s, block_size) for s in slice_sizes}
+    return [InterferenceRow(s, i, spread(waits[(s, i)]), slice_time[s]) for s, i in configs]
+
+
+def format_rows(rows: list[InterferenceRow]) -> str:
+    from ..runner.blas import describe
+
+    lines = [f"BLAS: {describe()}",
+             f"{'slice':>6} {'interruptible':>13} | {'extra wait s: median [min, max]':<36} | {'slice s':>8} | worst/slice"]
+    for r in rows:
+        lines.append(f"{r.slice_tokens:>6} {str(r.interruptible):>13} | {str(r.extra_wait):<36} | "
+                     f"{r.slice_seconds:>8.3f} | {r.worst_fraction_of_slice:.2f}")
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    rows = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
+    print(format_rows(rows))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("interference", help="extra wait of a request arriving during recovery")
+    p.add_argument("--slices", type=int, nargs="+", default=[4096, 1024, 512, 256])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--context", type=int, default=8192, help="tokens of the recovered prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)
