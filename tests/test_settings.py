@@ -108,3 +108,13 @@ def test_describe_says_where_each_value_came_from(monkeypatch: pytest.MonkeyPatc
     assert rows["MLX_RECOVERY_BUDGET_PCT"].source == "environment"
     assert rows["MLX_RECOVERY_IDLE_STEPS"].source == "default"
     assert rows["MLX_RECOVERY_ADOPTER_MODE"].value == "clone"
+
+
+def test_trim_keep_fraction_reaches_the_adopter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_recovery_plugin.adopter.plugin import AdopterPlugin
+
+    monkeypatch.setenv("MLX_RECOVERY_ADOPTER_TRIM_KEEP_FRACTION", "0.25")
+    assert AdopterPlugin().trim_keep_fraction == 0.25
+    monkeypatch.setenv("MLX_RECOVERY_ADOPTER_TRIM_KEEP_FRACTION", "1.5")
+    with pytest.raises(SettingsError, match="MLX_RECOVERY_ADOPTER_TRIM_KEEP_FRACTION"):
+        load_settings()

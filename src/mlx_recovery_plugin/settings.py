@@ -73,6 +73,12 @@ class RecoverySettings(BaseSettings):
     adopter_min_prefix_tokens: int = Field(
         0, ge=0, le=1_048_576, description="smallest partial prefix worth adopting"
     )
+    adopter_trim_keep_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="trim mode: refuse a cut that keeps less than this share of the entry",
+    )
     plugins: str = Field("", description="comma list: load only these plugin entry points")
     disable_plugins: str = Field("", description="comma list: never load these plugin entry points")
     control_socket: str = Field(

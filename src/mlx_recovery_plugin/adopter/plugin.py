@@ -32,9 +32,11 @@ class AdopterPlugin:
     """
 
     def __init__(
-        self, settings: RecoverySettings | None = None, *, trim_keep_fraction: float = 0.5
+        self, settings: RecoverySettings | None = None, *, trim_keep_fraction: float | None = None
     ) -> None:
         settings = settings if settings is not None else load_settings()
+        if trim_keep_fraction is None:
+            trim_keep_fraction = settings.adopter_trim_keep_fraction
         if not 0.0 <= trim_keep_fraction <= 1.0:
             raise ValueError(f"trim_keep_fraction must be within [0, 1], got {trim_keep_fraction}")
         self.enabled = settings.adopter_enabled
