@@ -1,0 +1,640 @@
+"""The host contract suite: what every host (or host adapter) must do for the plugin.
+
+How to use it, in the style of pandas' extension tests or zarr's ``StoreTests``:
+
+1. Write a small adapter that satisfies :class:`ContractHost` for your host: one engine
+   under test, driven synchronously from the test's thread (and, if you can, threaded).
+2. Subclass :class:`HostContractSuite` (or only the parts you want: :class:`EventOrderTests`,
+   :class:`ReferenceBalanceTests`, :class:`WholeBlockStoreTests`, :class:`IdleTests`,
+   :class:`ThreadedTests`) in a test module and give it a ``contract_host`` fixture that
+   returns a fresh adapter and closes it afterwards::
+
+       from mlx_recovery_plugin.testing.contract import HostContractSuite
+
+       class TestMyHostContract(HostContractSuite):
+           @pytest.fixture
+           def contract_host(self, tiny_llama_dir):
+               host = MyContractHost(tiny_llama_dir, block_size=64)
+               yield host
+               host.close()
+
+Capability flags on the adapter skip what a host cannot do. The suite registers its own
+plugins (an :class:`EventRecorder`) on the adapter's plugin manager and unregisters them
+afterwards. Prompts use token ids below 256 (the tiny models' byte vocabulary).
+
+The module is also an opt-in pytest plugin (``pytest -p mlx_recovery_plugin.testing.contract``)
+that provides the ``event_recorder`` fixture to any test that has a ``contract_host`` fixture,
+and :func:`contract_tokens` for prompts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import pluggy
+import pytest
+
+from ..events import (
+    DepartureReason,
+    IdleStep,
+    RequestAdmitted,
+    RequestArrived,
+    RequestDeparted,
+    SparseRouteServed,
+)
+from ..hookspecs import hookimpl
+from ..ports import EnginePort
+
+IdleAnswer = bool | float | None
+
+# -- what an implementer provides --------------------------------------------------
+
+
+@runtime_checkable
+class ContractResult(Protocol):
+    """What the suite reads from a departed request's result."""
+
+    cached_tokens: int
+    output_tokens: Sequence[int]
+
+
+@runtime_checkable
+class ContractHost(Protocol):
+    """One engine of a host, driven by the suite.
+
+    Synchronous driving: the test's thread owns the engine; nothing happens between calls.
+
+    * ``submit`` queues a request (``request_arrived`` fires on the calling thread) and
+      returns its id; the engine does nothing until ``run_until_idle``.
+    * ``run_until_idle`` steps the engine until it has no requests (no idle steps).
+    * ``drive_idle(max_steps)`` offers ``engine_idle_step`` while any implementation
+      answers True and the queues stay empty; returns how many it offered.
+    * ``abort`` / ``abort_all`` / ``fail_all`` are applied by the engine on its next step;
+      ``reset`` / ``shutdown`` / ``unload`` act at once.
+    * ``result(id)`` is the departed request's result; ``outstanding_refs()`` maps each
+      holder other than the prefix index itself to what it still references (empty when
+      nothing leaked); ``step_count()`` counts the host's scheduler steps so far.
+    * ``engine`` is the :class:`~mlx_recovery_plugin.ports.EnginePort` the plugin gets;
+      the suite probes the prefix cache through it (fetch, then release).
+
+    Capability flags: ``supports_sparse_route`` (a draft model is set; a request with
+    ``sparse=True`` whose uncached part exceeds ``sparse_threshold`` takes the sparse
+    route), ``supports_abort_all``, ``supports_fail_all``, ``supports_threads`` (then the
+    adapter also has ``start()``, ``stop()`` and ``wait(id, timeout)``, see
+    :class:`ThreadedContractHost`).
+    """
+
+    supports_sparse_route: bool
+    supports_abort_all: bool
+    supports_fail_all: bool
+    supports_threads: bool
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def sparse_threshold(self) -> int: ...
+
+    @property
+    def engine(self) -> EnginePort: ...
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager: ...
+
+    def submit(
+        self, prompt_tokens: Sequence[int], *, max_tokens: int = 4, sparse: bool = False
+    ) -> str: ...
+
+    def run_until_idle(self) -> None: ...
+
+    def drive_idle(self, max_steps: int = 100) -> int: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def fail_all(self, error: str) -> None: ...
+
+    def reset(self, deep: bool = False) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def unload(self) -> None: ...
+
+    def result(self, request_id: str) -> ContractResult: ...
+
+    def outstanding_refs(self) -> Mapping[str, Any]: ...
+
+    def step_count(self) -> int: ...
+
+
+@runtime_checkable
+class ThreadedContractHost(ContractHost, Protocol):
+    """A host that can also run its real engine loop on its own thread."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def wait(self, request_id: str, timeout: float) -> ContractResult: ...
+
+
+# -- the recorder ------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class RecordedEvent:
+    """One hook call: its name, engine, request (if any) and the record or arguments."""
+
+    seq: int
+    hook: str
+    engine_id: str
+    request_id: str | None
+    payload: Any = field(compare=False)
+
+
+class EventRecorder:
+    """A plugin that records every lifecycle hook call, thread-safely, and answers idle
+    steps from ``idle_answer`` (None by default: nothing to do).
+
+    ``idle_answer`` is called with the :class:`IdleStep`; ``queues_empty_at_idle`` records,
+    for every idle step, whether the attached engine's queues were empty then.
+    """
+
+    def __init__(self, idle_answer: Callable[[IdleStep], IdleAnswer] | None = None) -> None:
+        self.idle_answer = idle_answer
+        self.events: list[RecordedEvent] = []
+        self.engines: dict[str, EnginePort] = {}
+        self.queues_empty_at_idle: list[bool] = []
+        self._lock = threading.Lock()
+
+    def _add(self, hook: str, engine_id: str, request_id: str | None, payload: Any) -> None:
+        with self._lock:
+            seq = len(self.events)
+            self.events.append(RecordedEvent(seq, hook, engine_id, request_id, payload))
+
+    # hooks
+    @hookimpl
+    def engine_attached(self, engine: EnginePort) -> None:
+        self.engines[engine.engine_id] = engine
+        self._add("engine_attached", engine.engine_id, None, engine)
+
+    @hookimpl
+    def request_arrived(self, event: RequestArrived) -> None:
+        self._add("request_arrived", event.engine_id, event.request_id, event)
+
+    @hookimpl
+    def request_admitted(self, event: RequestAdmitted) -> None:
+        self._add("request_admitted", event.engine_id, event.request_id, event)
+
+    @hookimpl
+    def request_departed(self, event: RequestDeparted) -> None:
+        self._add("request_departed", event.engine_id, event.request_id, event)
+
+    @hookimpl
+    def request_aborted(self, engine_id: str, request_id: str) -> None:
+        self._add("request_aborted", engine_id, request_id, None)
+
+    @hookimpl
+    def engine_aborted_all(self, engine_id: str) -> None:
+        self._add("engine_aborted_all", engine_id, None, None)
+
+    @hookimpl
+    def engine_failed_all(self, engine_id: str, error: str) -> None:
+        self._add("engine_failed_all", engine_id, None, error)
+
+    @hookimpl
+    def engine_reset(self, engine_id: str, deep: bool) -> None:
+        self._add("engine_reset", engine_id, None, deep)
+
+    @hookimpl
+    def engine_shutdown(self, engine_id: str) -> None:
+        self._add("engine_shutdown", engine_id, None, None)
+
+    @hookimpl
+    def model_unloaded(self, engine_id: str, model_id: str) -> None:
+        self._add("model_unloaded", engine_id, None, model_id)
+
+    @hookimpl
+    def sparse_route_served(self, event: SparseRouteServed) -> None:
+        self._add("sparse_route_served", event.engine_id, event.request_id, event)
+
+    @hookimpl
+    def engine_idle_step(self, event: IdleStep) -> IdleAnswer:
+        engine = self.engines.get(event.engine_id)
+        if engine is not None:
+            self.queues_empty_at_idle.append(engine.queues_empty())
+        self._add("engine_idle_step", event.engine_id, None, event)
+        return self.idle_answer(event) if self.idle_answer is not None else None
+
+    # queries
+    def snapshot(self) -> list[RecordedEvent]:
+        with self._lock:
+            return list(self.events)
+
+    def hooks_for(self, request_id: str) -> list[str]:
+        """Hook names that carried ``request_id``, in order."""
+        return [e.hook for e in self.snapshot() if e.request_id == request_id]
+
+    def named(self, hook: str) -> list[RecordedEvent]:
+        return [e for e in self.snapshot() if e.hook == hook]
+
+    def one(self, hook: str, request_id: str) -> Any:
+        """The payload of the single ``hook`` event of ``request_id`` (asserts it is one)."""
+        found = [e for e in self.named(hook) if e.request_id == request_id]
+        assert len(found) == 1, f"{hook} for {request_id}: {len(found)} events"
+        return found[0].payload
+
+    def idle_steps(self) -> list[IdleStep]:
+        return [e.payload for e in self.named("engine_idle_step")]
+
+
+@contextmanager
+def registered(pm: pluggy.PluginManager, plugin: object) -> Iterator[object]:
+    """Register ``plugin`` on ``pm`` for the duration of a ``with`` block."""
+    pm.register(plugin)
+    try:
+        yield plugin
+    finally:
+        pm.unregister(plugin)
+
+
+def contract_tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` deterministic token ids below 256; different seeds share no first block."""
+    return [(seed * 97 + 13 + i * 31 + (i * i) % 7) % 256 for i in range(n)]
+
+
+def stored_tokens(host: ContractHost, tokens: Sequence[int]) -> int:
+    """How much of ``tokens`` the host's prefix cache restores, through its own fetch and
+    release (the references of the probe are given back)."""
+    cache = host.engine.prefix_cache
+    try:
+        return cache.fetch("contract-probe", tokens).tokens
+    finally:
+        cache.release("contract-probe")
+
+
+# -- pytest plugin fixtures ------------------------------------------------------------
+
+
+@pytest.fixture
+def event_recorder(contract_host: ContractHost) -> Iterator[EventRecorder]:
+    """An :class:`EventRecorder` registered on the host under test for one test."""
+    # The engine was attached before the recorder existed; give it the port directly.
+    recorder = EventRecorder()
+    recorder.engines[contract_host.engine.engine_id] = contract_host.engine
+    with registered(contract_host.plugin_manager, recorder):
+        yield recorder
+
+
+# -- the suite -------------------------------------------------------------------------
+
+
+class _ContractBase:
+    """Shared fixtures and helpers; implementers supply ``contract_host``."""
+
+    @pytest.fixture
+    def contract_host(self) -> ContractHost:  # pragma: no cover - always overridden
+        pytest.skip("the implementer supplies a contract_host fixture")
+
+    @pytest.fixture
+    def event_recorder(self, contract_host: ContractHost) -> Iterator[EventRecorder]:
+        recorder = EventRecorder()
+        recorder.engines[contract_host.engine.engine_id] = contract_host.engine
+        with registered(contract_host.plugin_manager, recorder):
+            yield recorder
+
+    # helpers
+    @staticmethod
+    def prompt(host: ContractHost, blocks: float, seed: int = 0) -> list[int]:
+        """A prompt of ``blocks`` cache blocks (a fraction makes a partial last block)."""
+        return contract_tokens(int(blocks * host.block_size), seed)
+
+    @staticmethod
+    def serve(
+        host: ContractHost, prompt: Sequence[int], **kwargs: Any
+    ) -> tuple[str, ContractResult]:
+        rid = host.submit(prompt, **kwargs)
+        host.run_until_idle()
+        return rid, host.result(rid)
+
+    @staticmethod
+    def assert_no_leaks(host: ContractHost) -> None:
+        assert not host.outstanding_refs(), f"references left behind: {host.outstanding_refs()}"
+
+    @staticmethod
+    def require(host: ContractHost, flag: str) -> None:
+        if not getattr(host, flag, False):
+            pytest.skip(f"host does not have {flag}")
+
+
+class EventOrderTests(_ContractBase):
+    """Every lifecycle event fires once, in the documented order, with the documented
+    arguments."""
+
+    def test_dense_request_arrives_is_admitted_then_departs_once_each(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 1.5, seed=1)
+        rid, result = self.serve(host, prompt)
+        assert event_recorder.hooks_for(rid) == [
+            "request_arrived", "request_admitted", "request_departed",
+        ]
+        arrived = event_recorder.one("request_arrived", rid)
+        assert arrived.engine_id == host.engine.engine_id
+        assert arrived.model_id == host.engine.model_id
+        assert tuple(arrived.prompt_tokens) == tuple(prompt)
+        admitted = event_recorder.one("request_admitted", rid)
+        assert admitted.engine_id == host.engine.engine_id
+        assert admitted.cached_tokens == result.cached_tokens
+        departed = event_recorder.one("request_departed", rid)
+        assert departed.engine_id == host.engine.engine_id
+        assert departed.reason == DepartureReason.FINISHED
+
+    def test_sparse_request_reports_its_served_range_between_admission_and_departure(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.require(host, "supports_sparse_route")
+        blocks = (host.sparse_threshold + host.block_size) / host.block_size + 1.5
+        prompt = self.prompt(host, blocks, seed=2)
+        rid, result = self.serve(host, prompt, sparse=True)
+        assert event_recorder.hooks_for(rid) == [
+            "request_arrived", "request_admitted", "sparse_route_served", "request_departed",
+        ]
+        served = event_recorder.one("sparse_route_served", rid)
+        assert served.engine_id == host.engine.engine_id
+        assert served.model_id == host.engine.model_id
+        assert tuple(served.tokens) == tuple(prompt)
+        assert served.served_start == result.cached_tokens
+        assert served.served_end == len(prompt)
+
+    def test_aborted_request_reports_abort_then_departs_aborted(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        rid = host.submit(self.prompt(host, 2.5, seed=3), max_tokens=32)
+        host.abort(rid)
+        host.run_until_idle()
+        hooks = event_recorder.hooks_for(rid)
+        assert hooks[0] == "request_arrived"
+        assert hooks[-2:] == ["request_aborted", "request_departed"]
+        assert hooks.count("request_admitted") <= 1
+        assert event_recorder.one("request_departed", rid).reason == DepartureReason.ABORTED
+
+    def test_abort_of_an_unknown_request_is_ignored(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        host.abort("no-such-request")
+        host.run_until_idle()
+        rid, result = self.serve(host, self.prompt(host, 1.25, seed=4))
+        assert len(result.output_tokens) > 0
+        assert event_recorder.named("request_aborted") == []
+
+    def test_abort_all_reports_once_and_every_request_departs_aborted(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.require(host, "supports_abort_all")
+        rids = [host.submit(self.prompt(host, 1.5, seed=s), max_tokens=16) for s in (5, 6)]
+        host.abort_all()
+        host.run_until_idle()
+        assert len(event_recorder.named("engine_aborted_all")) == 1
+        for rid in rids:
+            assert event_recorder.one("request_departed", rid).reason == DepartureReason.ABORTED
+
+    def test_fail_all_reports_the_error_and_every_request_departs_failed(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.require(host, "supports_fail_all")
+        rids = [host.submit(self.prompt(host, 1.5, seed=s), max_tokens=16) for s in (7, 8)]
+        host.fail_all("injected failure")
+        host.run_until_idle()
+        failed = event_recorder.named("engine_failed_all")
+        assert len(failed) == 1 and "injected failure" in failed[0].payload
+        for rid in rids:
+            assert event_recorder.one("request_departed", rid).reason == DepartureReason.FAILED
+
+    def test_deep_reset_reports_once_and_forgets_stored_prefixes(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=9)
+        self.serve(host, prompt)
+        assert stored_tokens(host, prompt) > 0
+        host.reset(deep=True)
+        resets = event_recorder.named("engine_reset")
+        assert [e.payload for e in resets] == [True]
+        assert resets[0].engine_id == host.engine.engine_id
+        assert stored_tokens(host, prompt) == 0
+
+    def test_shutdown_then_unload_report_once_each_in_that_order(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        engine_id, model_id = host.engine.engine_id, host.engine.model_id
+        self.serve(host, self.prompt(host, 1.5, seed=10))
+        host.unload()
+        ending = ("engine_shutdown", "model_unloaded")
+        hooks = [e.hook for e in event_recorder.snapshot() if e.hook in ending]
+        assert hooks == ["engine_shutdown", "model_unloaded"]
+        unloaded = event_recorder.named("model_unloaded")[0]
+        assert (unloaded.engine_id, unloaded.payload) == (engine_id, model_id)
+
+
+class ReferenceBalanceTests(_ContractBase):
+    """Every block reference a request's fetch takes is given back."""
+
+    def test_no_reference_outstanding_after_requests_sharing_prefixes(
+        self, contract_host: ContractHost
+    ) -> None:
+        host = contract_host
+        base = self.prompt(host, 2.5, seed=11)
+        for extra in (0, 3, 17):
+            self.serve(host, base + contract_tokens(extra, seed=12))
+        self.assert_no_leaks(host)
+
+    def test_no_reference_outstanding_after_aborts(self, contract_host: ContractHost) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=13)
+        self.serve(host, prompt)
+        early = host.submit(prompt + [1, 2, 3], max_tokens=32)
+        late = host.submit(prompt + [4, 5, 6], max_tokens=32)
+        host.abort(early)
+        host.run_until_idle()
+        rid = host.submit(prompt + [7], max_tokens=32)
+        host.run_until_idle()
+        host.abort(late)
+        host.abort(rid)
+        host.run_until_idle()
+        self.assert_no_leaks(host)
+
+    def test_no_reference_outstanding_after_abort_all_fail_all_and_reset(
+        self, contract_host: ContractHost
+    ) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=14)
+        self.serve(host, prompt)
+        if host.supports_abort_all:
+            host.submit(prompt + [1], max_tokens=32)
+            host.abort_all()
+            host.run_until_idle()
+        if host.supports_fail_all:
+            host.submit(prompt + [2], max_tokens=32)
+            host.fail_all("injected")
+            host.run_until_idle()
+        host.submit(prompt + [3], max_tokens=32)
+        host.reset(deep=False)
+        host.run_until_idle()
+        self.assert_no_leaks(host)
+
+
+class WholeBlockStoreTests(_ContractBase):
+    """What a request leaves in the prefix cache: whole blocks of its prompt only."""
+
+    def test_stored_prefix_is_whole_blocks_of_the_prompt(self, contract_host: ContractHost) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=15)
+        self.serve(host, prompt)
+        stored = stored_tokens(host, prompt)
+        whole = len(prompt) // host.block_size * host.block_size
+        assert stored % host.block_size == 0
+        assert 0 < stored <= whole
+        self.assert_no_leaks(host)
+
+    def test_second_request_with_the_same_prefix_restores_its_whole_blocks(
+        self, contract_host: ContractHost
+    ) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=16)
+        _, first = self.serve(host, prompt)
+        _, second = self.serve(host, prompt + contract_tokens(5, seed=17))
+        assert first.cached_tokens == 0
+        assert second.cached_tokens == 2 * host.block_size
+
+    def test_sparse_route_stores_nothing(self, contract_host: ContractHost) -> None:
+        host = contract_host
+        self.require(host, "supports_sparse_route")
+        blocks = (host.sparse_threshold + host.block_size) / host.block_size + 1.5
+        prompt = self.prompt(host, blocks, seed=18)
+        _, first = self.serve(host, prompt, sparse=True)
+        assert stored_tokens(host, prompt) == 0
+        _, again = self.serve(host, prompt + [1, 2, 3], sparse=True)
+        assert (first.cached_tokens, again.cached_tokens) == (0, 0)
+        self.assert_no_leaks(host)
+
+
+class IdleTests(_ContractBase):
+    """Idle means idle: no step without work; the idle hook only while queues are empty,
+    and only while some implementation asks for more."""
+
+    def test_serving_offers_no_idle_step(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.serve(host, self.prompt(host, 1.5, seed=19))
+        assert event_recorder.idle_steps() == []
+
+    def test_idle_host_never_steps_and_offers_one_idle_step_when_nobody_asks(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.serve(host, self.prompt(host, 1.5, seed=20))
+        steps = host.step_count()
+        assert host.drive_idle(max_steps=50) == 1
+        assert host.step_count() == steps
+        assert event_recorder.queues_empty_at_idle == [True]
+
+    def test_idle_steps_continue_while_asked_and_count_up(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        event_recorder.idle_answer = lambda step: step.consecutive < 4 or None
+        steps = host.step_count()
+        assert host.drive_idle(max_steps=50) == 4
+        assert [s.consecutive for s in event_recorder.idle_steps()] == [1, 2, 3, 4]
+        assert all(event_recorder.queues_empty_at_idle)
+        assert host.step_count() == steps
+
+    def test_a_delay_answer_ends_the_idle_run(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        event_recorder.idle_answer = lambda step: 0.5
+        assert host.drive_idle(max_steps=50) == 1
+
+    def test_work_resets_the_idle_count(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        event_recorder.idle_answer = lambda step: step.consecutive < 2 or None
+        host.drive_idle(max_steps=50)
+        self.serve(host, self.prompt(host, 1.25, seed=21))
+        host.drive_idle(max_steps=50)
+        assert [s.consecutive for s in event_recorder.idle_steps()] == [1, 2, 1, 2]
+
+    def test_an_arrival_stops_idle_steps_at_once(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        arrived: list[str] = []
+
+        def arrive_then_ask_for_more(step: IdleStep) -> IdleAnswer:
+            if not arrived:
+                arrived.append(host.submit(self.prompt(host, 1.25, seed=22)))
+            return True
+
+        event_recorder.idle_answer = arrive_then_ask_for_more
+        assert host.drive_idle(max_steps=50) == 1
+        event_recorder.idle_answer = None
+        host.run_until_idle()
+        assert len(host.result(arrived[0]).output_tokens) > 0
+
+
+class ThreadedTests(_ContractBase):
+    """The real engine loop on its own thread: serves arrivals, never steps while idle."""
+
+    def test_engine_thread_serves_then_stays_idle(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.require(host, "supports_threads")
+        assert isinstance(host, ThreadedContractHost)
+        went_idle = threading.Event()
+        served: list[str] = []
+
+        def note_idle(step: IdleStep) -> IdleAnswer:
+            if served:
+                went_idle.set()
+            return None
+
+        event_recorder.idle_answer = note_idle
+        host.start()
+        try:
+            rid = host.submit(self.prompt(host, 1.5, seed=23))
+            served.append(rid)
+            result = host.wait(rid, 60.0)
+            assert went_idle.wait(60.0)
+            steps = host.step_count()
+            offered = len(event_recorder.idle_steps())
+            time.sleep(0.05)  # a window in which an idle host must do nothing at all
+        finally:
+            host.stop()
+        assert len(result.output_tokens) > 0
+        assert host.step_count() == steps
+        assert len(event_recorder.idle_steps()) == offered
+        assert all(event_recorder.queues_empty_at_idle)
+
+
+class HostContractSuite(
+    EventOrderTests, ReferenceBalanceTests, WholeBlockStoreTests, IdleTests, ThreadedTests
+):
+    """The whole host contract; subclass it and supply ``contract_host``."""

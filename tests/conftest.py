@@ -1,0 +1,34 @@
+"""Session fixtures shared by every test module: tiny real models written once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer, hidden-64 float32 llama with the byte-level tokenizer."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec(arch="llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer, hidden-64 float32 qwen3 (q/k norms) with the byte-level tokenizer."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), TinyModelSpec(arch="qwen3", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer llama with other weights, the sparse route's draft model."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny-draft"), TinyModelSpec(arch="llama", num_layers=1, seed=7)
+    )
+
+
+def token_run(n: int, seed: int = 0) -> list[int]:
+    """``n`` deterministic byte tokens (a stand-in for text)."""
+    return [(seed * 131 + i * 37 + (i * i) % 11) % 256 for i in range(n)]
