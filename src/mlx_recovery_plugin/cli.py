@@ -24,7 +24,7 @@ BENCH_MODULES = (
     "mlx_recovery_plugin.runner.bench",
     "mlx_recovery_plugin.adopter.bench",
     "mlx_recovery_plugin.bench.interference",
-    "mlx_recovery_plugin.bench.budget",
+    "mlx_recovery_plugin.recovery.bench",
 )
 
 log = logging.getLogger(__name__)

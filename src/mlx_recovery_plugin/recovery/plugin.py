@@ -1,0 +1,269 @@
+"""The recovery plugin: lifecycle hooks in, recovery jobs and slices out.
+
+Registered through the entry point ``recovery``. With recovery off (budget 0, or the
+model not opted in) the only work it does is the arrival registry's bookkeeping on
+arrival, admission and departure; no job is ever queued and no slice ever runs.
+
+Threads: arrival hooks come from any thread and touch only the registry (and an arrival
+counter that running slices watch); engine hooks run on their engine's thread and go to
+that engine's :class:`~.service.EngineRecovery`; shutdown and unload may come from a
+control thread and cancel through the service's thread-safe path. ``_engines`` and
+``_control`` are guarded by ``_lock``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..events import IdleStep, RequestAdmitted, RequestArrived, RequestDeparted, SparseRouteServed
+from ..hookspecs import hookimpl
+from ..ports import EnginePort
+from ..settings import RecoverySettings, load_settings
+from .budget import Budget
+from .control import ControlError, ControlServer, resolve_socket_path
+from .gate import RunnableGate, memory_probe
+from .registry import ArrivalRegistry
+from .service import EngineRecovery, RunnerFactory, default_runner_factory
+from .status import ProcessStatus, export_counters
+
+log = logging.getLogger(__name__)
+
+# Values of MLX_RECOVERY_CONTROL_SOCKET that turn the control channel off.
+CONTROL_SOCKET_OFF = frozenset({"off", "none", "disabled", "false", "0"})
+
+
+class RecoveryPlugin:
+    """Canonical state recovery as pluggy hook implementations.
+
+    ``RecoveryPlugin()`` reads its settings from the environment. Tests and hosts may
+    inject ``settings``, a ``clock`` (budget windows, back-off), a ``runner_factory``
+    (``(model, block_size, interruptible) -> runner``), a ``memory_ok`` probe, and
+    ``control_socket``: False for none, a path, or None for the settings' choice.
+    """
+
+    def __init__(
+        self,
+        settings: RecoverySettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        runner_factory: RunnerFactory | None = None,
+        memory_ok: Callable[[], bool] | None = None,
+        control_socket: str | bool | None = None,
+        registry: ArrivalRegistry | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else load_settings()
+        self.clock = clock
+        self.registry = registry if registry is not None else ArrivalRegistry()
+        self.budget = Budget(self.settings.budget_pct, self.settings.budget_window_s, clock=clock)
+        self._runner_factory = runner_factory or default_runner_factory
+        self._lock = threading.Lock()
+        self._engines: dict[str, EngineRecovery] = {}
+        self._control: ControlServer | None = None
+        self._control_path = self._control_path_from(control_socket)
+        self._arrival_ids = itertools.count(1)
+        self._arrivals = 0
+        self.gate = RunnableGate(
+            self.registry,
+            self.budget,
+            engines=self._ports,
+            opted_in=lambda model_id: self.settings.for_model(model_id).enabled,
+            idle_steps_for=self.settings.idle_steps_for,
+            memory_ok=memory_ok if memory_ok is not None else memory_probe(),
+        )
+        self.registry.add_arrival_listener(self._on_arrival)
+
+    # -- switches ----------------------------------------------------------------------
+
+    def enabled_for(self, model_id: str) -> bool:
+        """Recovery runs for ``model_id``: budget above 0 and the model opted in."""
+        return self.budget.pct > 0 and self.settings.for_model(model_id).enabled
+
+    def set_budget(self, pct: float) -> dict[str, Any]:
+        """Change the process budget in place (every engine sees it from the next
+        window); 0 turns recovery off. Raises ValueError outside [0, 100]."""
+        self.budget.set_pct(pct)
+        if pct > 0:
+            self._start_control()
+        return self.budget.snapshot()
+
+    # -- lifecycle hooks -------------------------------------------------------------
+
+    @hookimpl
+    def engine_attached(self, engine: EnginePort) -> None:
+        try:
+            service = EngineRecovery(
+                engine,
+                settings=self.settings,
+                budget=self.budget,
+                gate=self.gate,
+                arrivals=self._arrival_count,
+                clock=self.clock,
+                runner_factory=self._runner_factory,
+            )
+        except Exception as exc:  # noqa: BLE001 - a port we cannot read gets no recovery
+            log.error("mlx-recovery: engine not attached: %r", exc)
+            return
+        with self._lock:
+            old = self._engines.get(service.engine_id)
+            self._engines[service.engine_id] = service
+        if old is not None:
+            old.cancel("engine attached again", forget=True)
+        if self.budget.pct > 0:
+            self._start_control()
+
+    @hookimpl
+    def request_arrived(self, event: RequestArrived) -> None:
+        self.registry.arrived(event.engine_id, event.request_id)
+
+    @hookimpl
+    def request_admitted(self, event: RequestAdmitted) -> None:
+        self.registry.admitted(event.engine_id, event.request_id)
+        service = self._engines.get(event.engine_id)
+        if service is not None:
+            service.foreground()
+
+    @hookimpl
+    def request_departed(self, event: RequestDeparted) -> None:
+        self.registry.departed(event.engine_id, event.request_id)
+
+    @hookimpl
+    def sparse_route_served(self, event: SparseRouteServed) -> None:
+        if not self.enabled_for(event.model_id):
+            return
+        service = self._engines.get(event.engine_id)
+        if service is None:
+            return
+        try:
+            service.served(event)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping bugs stay here
+            log.error("mlx-recovery: engine %s: queueing failed: %r", event.engine_id, exc)
+
+    @hookimpl
+    def engine_idle_step(self, event: IdleStep) -> bool | float | None:
+        service = self._engines.get(event.engine_id)
+        if service is None:
+            return None
+        return service.idle_step(event.consecutive)
+
+    # -- cancellation hooks ------------------------------------------------------------
+
+    @hookimpl
+    def engine_reset(self, engine_id: str, deep: bool) -> None:
+        self._cancel(engine_id, "deep reset" if deep else "reset")
+
+    @hookimpl
+    def engine_aborted_all(self, engine_id: str) -> None:
+        self._cancel(engine_id, "abort all")
+
+    @hookimpl
+    def engine_failed_all(self, engine_id: str, error: str) -> None:
+        self._cancel(engine_id, f"fail all: {error}")
+
+    @hookimpl
+    def engine_shutdown(self, engine_id: str) -> None:
+        self._forget(engine_id, "shutdown")
+        with self._lock:
+            last = not self._engines
+        if last:
+            self._stop_control()
+
+    @hookimpl
+    def model_unloaded(self, engine_id: str, model_id: str) -> None:
+        self._forget(engine_id, f"model {model_id} unloaded")
+
+    # -- status ------------------------------------------------------------------------
+
+    def service(self, engine_id: str) -> EngineRecovery | None:
+        """The recovery service of an attached engine (None once it is forgotten)."""
+        return self._engines.get(engine_id)
+
+    def status_record(self) -> ProcessStatus:
+        with self._lock:
+            services = list(self._engines.values())
+            control = self._control.path if self._control is not None else None
+        return ProcessStatus(
+            enabled=self.budget.pct > 0,
+            budget=self.budget.snapshot(),
+            registry=self.registry.snapshot(),
+            engines=tuple(s.snapshot() for s in services),
+            control_socket=control,
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Per process and per engine: jobs, committed and live boundaries, debt, tokens
+        recovered, slices, budget share used, last refusal, faults by kind."""
+        return self.status_record().as_dict()
+
+    def counters(self) -> dict[str, float]:
+        """Flat counters and gauges for a host's metrics exporter."""
+        return export_counters(self.status_record())
+
+    def close(self) -> None:
+        """Cancel everything and stop the control channel (tests, process exit)."""
+        with self._lock:
+            services = list(self._engines.values())
+            self._engines.clear()
+        for service in services:
+            service.cancel("plugin closed", forget=True)
+        self.registry.remove_arrival_listener(self._on_arrival)
+        self._stop_control()
+
+    # -- private -----------------------------------------------------------------------
+
+    def _ports(self) -> Iterable[EnginePort]:
+        with self._lock:
+            return [s.port for s in self._engines.values() if not s.closed]
+
+    def _on_arrival(self, engine_id: str, request_id: str) -> None:
+        self._arrivals = next(self._arrival_ids)
+
+    def _arrival_count(self) -> int:
+        return self._arrivals
+
+    def _cancel(self, engine_id: str, reason: str) -> None:
+        service = self._engines.get(engine_id)
+        if service is not None:
+            service.cancel(reason)
+
+    def _forget(self, engine_id: str, reason: str) -> None:
+        with self._lock:
+            service = self._engines.pop(engine_id, None)
+        if service is not None:
+            service.cancel(reason, forget=True)
+        self.registry.forget_engine(engine_id)
+
+    def _control_path_from(self, control_socket: str | bool | None) -> str | None:
+        if control_socket is False:
+            return None
+        if control_socket is True:
+            return resolve_socket_path("")
+        if isinstance(control_socket, str):
+            return resolve_socket_path(control_socket)
+        configured = self.settings.control_socket.strip()
+        if configured.lower() in CONTROL_SOCKET_OFF:
+            return None
+        return resolve_socket_path(configured)
+
+    def _start_control(self) -> None:
+        with self._lock:
+            if self._control_path is None or self._control is not None:
+                return
+            server = ControlServer(self._control_path, self.status, self.set_budget)
+            try:
+                server.start()
+            except (ControlError, OSError) as exc:
+                log.warning("mlx-recovery: control channel not started: %s", exc)
+                self._control_path = None  # do not retry on every attach
+                return
+            self._control = server
+
+    def _stop_control(self) -> None:
+        with self._lock:
+            server, self._control = self._control, None
+        if server is not None:
+            server.stop()

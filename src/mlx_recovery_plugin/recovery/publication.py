@@ -1,0 +1,130 @@
+"""Publishing recovered blocks through the host's own store, and proving them restorable.
+
+Committed means restorable: a job's committed boundary may only move to a prefix that the
+host's own fetch path gave back. :func:`publish` stores the whole blocks a slice completed
+under the job's own token prefix, then fetches that prefix under a throwaway holder id and
+releases it again, whatever happens. Every failure is raised as a
+:class:`PublicationError` whose ``kind`` the caller counts; the caller drops the job.
+
+Threads: called on the engine thread only, like every :class:`~..ports.PrefixCachePort`
+method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..ports import FetchedPrefix, PrefixCachePort
+from ..state import BlockState
+
+RECOVERY_ORIGIN = "recovery"
+
+
+class PublicationError(RuntimeError):
+    """Publication failed; ``kind`` names the fault for the status counters."""
+
+    kind = "publication_error"
+
+
+class StoreError(PublicationError):
+    """The host's store raised."""
+
+    kind = "store_error"
+
+
+class StoreRefused(PublicationError):
+    """The store returned normally but holds less than was published (for example the
+    job's earlier blocks were evicted, so the new ones would leave a gap)."""
+
+    kind = "store_refused"
+
+
+class ProbeFetchError(PublicationError):
+    """The read-back fetch raised."""
+
+    kind = "fetch_error"
+
+
+class ProbeMismatch(PublicationError):
+    """The read-back fetch restored less than was published."""
+
+    kind = "probe_mismatch"
+
+
+@dataclass(slots=True, frozen=True)
+class Publication:
+    """A successful publication: ``boundary`` is the new committed boundary."""
+
+    boundary: int
+    blocks: int
+    stored_tokens: int
+    restored_tokens: int
+
+
+@contextmanager
+def fetched(cache: PrefixCachePort, holder_id: str, tokens: Sequence[int]) -> Iterator[FetchedPrefix]:
+    """Fetch through the host's path and give every reference back on the way out."""
+    try:
+        yield cache.fetch(holder_id, tokens)
+    finally:
+        cache.release(holder_id)
+
+
+def probe_restorable(cache: PrefixCachePort, probe_id: str, tokens: Sequence[int]) -> int:
+    """How many leading tokens of ``tokens`` the host restores now (its references are
+    released before returning)."""
+    with fetched(cache, probe_id, tokens) as prefix:
+        return prefix.tokens
+
+
+def as_recovered(block: BlockState) -> BlockState:
+    """The block marked as recovery's work, carrying no draft-model / MTP side data."""
+    if block.origin == RECOVERY_ORIGIN and not block.draft_state:
+        return block
+    return dataclasses.replace(block, origin=RECOVERY_ORIGIN, draft_state=False)
+
+
+def publish(
+    cache: PrefixCachePort,
+    job_tokens: Sequence[int],
+    blocks: Sequence[BlockState],
+    block_size: int,
+    *,
+    holder_id: str,
+    probe_id: str,
+) -> Publication:
+    """Store ``blocks`` under ``job_tokens[:boundary]`` and read the prefix back.
+
+    ``blocks`` are contiguous whole blocks ending at ``boundary``; the blocks before them
+    must already be stored (the job's committed prefix). Raises :class:`PublicationError`
+    when the host cannot give back at least ``boundary`` tokens.
+    """
+    if not blocks:
+        raise ValueError("nothing to publish")
+    first = blocks[0].index
+    for offset, block in enumerate(blocks):
+        if block.index != first + offset:
+            raise ValueError(f"blocks must be contiguous; block {block.index} after {first + offset - 1}")
+    boundary = (blocks[-1].index + 1) * block_size
+    if boundary > len(job_tokens):
+        raise ValueError(f"blocks reach token {boundary}, past the job's {len(job_tokens)} tokens")
+    lineage = tuple(job_tokens[:boundary])
+    marked = [as_recovered(block) for block in blocks]
+
+    try:
+        stored = cache.store(holder_id, lineage, marked)
+    except Exception as exc:  # noqa: BLE001 - any host failure is a store fault
+        raise StoreError(f"store of {len(marked)} blocks up to {boundary} failed: {exc!r}") from exc
+    if stored < boundary:
+        raise StoreRefused(f"store holds {stored} of {boundary} published tokens")
+
+    try:
+        restored = probe_restorable(cache, probe_id, lineage)
+    except Exception as exc:  # noqa: BLE001 - any host failure is a fetch fault
+        raise ProbeFetchError(f"read-back of {boundary} tokens failed: {exc!r}") from exc
+    if restored < boundary:
+        raise ProbeMismatch(f"read-back restored {restored} of {boundary} published tokens")
+    return Publication(boundary, len(marked), stored, restored)

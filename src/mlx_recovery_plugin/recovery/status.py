@@ -1,0 +1,154 @@
+"""Recovery status: plain records per job, per engine and per process, and flat counters a
+host can export.
+
+Everything here is a snapshot (copied values, no live references), safe to hand to another
+thread, serialise as JSON, or print with ``mlx-recovery status``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+COUNTER_PREFIX = "mlx_recovery_"
+
+
+@dataclass(slots=True, frozen=True)
+class JobStatus:
+    job_id: int
+    tokens: int
+    committed: int
+    target_end: int
+    publish_end: int
+    debt: int
+    attempts: int
+    parked_for_s: float | None
+    tokens_recovered: int
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic counters of one engine's recovery. Owned by its service's lock."""
+
+    slices: int = 0
+    slices_interrupted: int = 0
+    tokens_run: int = 0
+    tokens_recovered: int = 0
+    blocks_published: int = 0
+    jobs_queued: int = 0
+    jobs_extended: int = 0
+    jobs_completed: int = 0
+    jobs_dropped: int = 0
+    jobs_cancelled: int = 0
+    live_retired: int = 0
+    ground_lost_tokens: int = 0
+    slice_seconds: float = 0.0
+    slice_seconds_max: float = 0.0
+    faults: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+
+    def fault(self, kind: str) -> None:
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    def refused(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    def copy(self) -> EngineCounters:
+        return EngineCounters(
+            **{name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("faults", "refusals")},
+            faults=dict(self.faults),
+            refusals=dict(self.refusals),
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStatus:
+    engine_id: str
+    model_id: str
+    block_size: int
+    slice_tokens: int
+    closed: bool
+    jobs: tuple[JobStatus, ...]
+    live_job_id: int | None
+    live_offset: int | None
+    last_refusal: str | None
+    counters: EngineCounters
+
+    @property
+    def debt(self) -> int:
+        return sum(job.debt for job in self.jobs)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["jobs"] = [asdict(job) for job in self.jobs]
+        out["debt"] = self.debt
+        out["committed"] = {job.job_id: job.committed for job in self.jobs}
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class ProcessStatus:
+    enabled: bool
+    budget: dict[str, Any]
+    registry: dict[str, Any]
+    engines: tuple[EngineStatus, ...]
+    control_socket: str | None = None
+
+    @property
+    def debt(self) -> int:
+        return sum(engine.debt for engine in self.engines)
+
+    def totals(self) -> dict[str, Any]:
+        faults: dict[str, int] = {}
+        for engine in self.engines:
+            for kind, n in engine.counters.faults.items():
+                faults[kind] = faults.get(kind, 0) + n
+        return {
+            "jobs": sum(len(e.jobs) for e in self.engines),
+            "debt": self.debt,
+            "tokens_recovered": sum(e.counters.tokens_recovered for e in self.engines),
+            "slices": sum(e.counters.slices for e in self.engines),
+            "faults": faults,
+            "budget_share_used": self.budget.get("share_used", 0.0),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "budget": dict(self.budget),
+            "registry": dict(self.registry),
+            "control_socket": self.control_socket,
+            "process": self.totals(),
+            "engines": {e.engine_id: e.as_dict() for e in self.engines},
+        }
+
+
+def export_counters(status: ProcessStatus) -> dict[str, float]:
+    """Flat ``name -> value`` counters and gauges (Prometheus-style names, with the
+    engine and fault kind folded into the name after ``:``)."""
+    out: dict[str, float] = {
+        f"{COUNTER_PREFIX}budget_pct": float(status.budget.get("pct", 0.0)),
+        f"{COUNTER_PREFIX}budget_share_used": float(status.budget.get("share_used", 0.0)),
+        f"{COUNTER_PREFIX}debt_tokens": float(status.debt),
+    }
+    for engine in status.engines:
+        c = engine.counters
+        tag = f":{engine.engine_id}"
+        for name in (
+            "slices",
+            "slices_interrupted",
+            "tokens_run",
+            "tokens_recovered",
+            "blocks_published",
+            "jobs_queued",
+            "jobs_completed",
+            "jobs_dropped",
+            "jobs_cancelled",
+        ):
+            out[f"{COUNTER_PREFIX}{name}_total{tag}"] = float(getattr(c, name))
+        out[f"{COUNTER_PREFIX}slice_seconds_total{tag}"] = c.slice_seconds
+        out[f"{COUNTER_PREFIX}jobs{tag}"] = float(len(engine.jobs))
+        out[f"{COUNTER_PREFIX}debt_tokens{tag}"] = float(engine.debt)
+        for kind, n in c.faults.items():
+            out[f"{COUNTER_PREFIX}faults_total{tag}:{kind}"] = float(n)
+    return out

@@ -1,0 +1,507 @@
+"""The recovery plugin against the mock host with a real tiny model and the real runner:
+off switches, an append-heavy session, foreground wins, cancellation, several jobs per
+engine, budget and idle-step settings, status and the control channel."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery import gate as reasons
+from mlx_recovery_plugin.recovery.control import request
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.runner import SliceRunner
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.host import MockHost
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
+
+B = 64
+STEP = 128
+MODEL = "tiny"
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def make_settings(**overrides: Any) -> RecoverySettings:
+    values: dict[str, Any] = {
+        "budget_pct": 50.0,
+        "idle_steps": 2,
+        "models": {MODEL: {"enabled": True}},
+    }
+    values.update(overrides)
+    return RecoverySettings(**values)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class RecordingRunner:
+    """The real runner, with every call recorded and a hook before each slice."""
+
+    def __init__(self, inner: SliceRunner, rig: Rig) -> None:
+        self.inner = inner
+        self.rig = rig
+
+    def begin(self, tokens: Sequence[int], prefix: Any) -> Any:
+        live = self.inner.begin(tokens, prefix)
+        self.rig.calls["begin"] += 1
+        self.rig.begun.append((tuple(tokens), prefix.tokens if prefix is not None else 0))
+        self.rig.open_lives.add(id(live))
+        return live
+
+    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None) -> Any:
+        self.rig.calls["advance"] += 1
+        if self.rig.before_advance is not None:
+            self.rig.before_advance(self.rig.calls["advance"])
+        outcome = self.inner.advance(live, end, should_stop)
+        self.rig.outcomes.append(outcome)
+        return outcome
+
+    def discard(self, live: Any) -> None:
+        self.rig.calls["discard"] += 1
+        self.rig.open_lives.discard(id(live))
+        self.inner.discard(live)
+
+
+@dataclass
+class Rig:
+    host: MockHost
+    plugin: RecoveryPlugin
+    clock: FakeClock
+    calls: Counter[str] = field(default_factory=Counter)
+    begun: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    open_lives: set[int] = field(default_factory=set)
+    outcomes: list[Any] = field(default_factory=list)
+    before_advance: Callable[[int], None] | None = None
+
+    def serve(self, engine_id: str, prompt: Sequence[int], *, sparse: bool = True, max_tokens: int = 4):
+        rid = self.host.submit(engine_id, prompt, sparse=sparse, max_tokens=max_tokens)
+        self.host.run_until_idle()
+        return self.host.result(rid)
+
+    def engine_status(self, engine_id: str = "e") -> dict[str, Any]:
+        return self.plugin.status()["engines"][engine_id]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir, tiny_draft_dir) -> tuple[Any, Any, Any]:
+    model, tokenizer = load_tiny_model(tiny_llama_dir)
+    draft, _ = load_tiny_model(tiny_draft_dir)
+    return model, tokenizer, draft
+
+
+@pytest.fixture
+def make_rig(loaded):
+    rigs: list[Rig] = []
+    model, tokenizer, draft = loaded
+
+    def make(
+        settings: RecoverySettings | None = None,
+        *,
+        engines: Sequence[str] = ("e",),
+        clock: FakeClock | None = None,
+        **plugin_kw: Any,
+    ) -> Rig:
+        settings = settings or make_settings()
+        clock = clock or FakeClock()
+        rig_box: list[Rig] = []
+
+        def factory(handle: Any, block_size: int, interruptible: bool) -> RecordingRunner:
+            return RecordingRunner(SliceRunner(handle, block_size, interruptible=interruptible), rig_box[0])
+
+        plugin_kw.setdefault("control_socket", False)
+        plugin = RecoveryPlugin(settings, clock=clock, runner_factory=factory, **plugin_kw)
+        host = MockHost(make_plugin_manager([plugin], settings=settings, entry_points_too=False))
+        rig = Rig(host, plugin, clock)
+        rig_box.append(rig)
+        for engine_id in engines:
+            host.add_engine(
+                engine_id, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL,
+                block_size=B, prefill_step=STEP, sparse_threshold=16,
+            )
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.plugin.close()
+        assert rig.host.leaked() == {}
+        assert rig.open_lives == set()
+
+
+@pytest.fixture(scope="module")
+def cold(loaded):
+    """Dense results of a host that has never stored anything (a new engine per prompt)."""
+    model, tokenizer, draft = loaded
+    host = MockHost(make_plugin_manager([], settings=make_settings(), entry_points_too=False))
+    made = iter(range(1_000_000))
+
+    def run(prompt: Sequence[int], max_tokens: int = 4):
+        engine_id = f"cold{next(made)}"
+        host.add_engine(engine_id, model=model, tokenizer=tokenizer, block_size=B, prefill_step=STEP)
+        rid = host.submit(engine_id, prompt, max_tokens=max_tokens)
+        host.run_until_idle()
+        return host.result(rid)
+
+    return run
+
+
+# -- recovery off ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        make_settings(budget_pct=0.0),
+        make_settings(models={}),
+        make_settings(models={"another-model": {"enabled": True}}),
+    ],
+    ids=["budget-zero", "no-model-opted-in", "other-model-opted-in"],
+)
+def test_recovery_off_serves_no_job_and_stores_nothing(make_rig, settings) -> None:
+    rig = make_rig(settings)
+    engine = rig.host.engines["e"]
+    prompt = toks(1, 400)
+    for _ in range(3):
+        result = rig.serve("e", prompt)
+        assert rig.host.drive_idle() == 1  # offered once, nothing asked for more
+        prompt = prompt + list(result.output_tokens) + toks(2, 50)
+    assert result.cached_tokens == 0
+    assert engine.prefix_cache.counters.stores == 0
+    assert rig.calls == Counter()
+    status = rig.engine_status()
+    assert status["jobs"] == [] and status["counters"]["slices"] == 0
+
+
+def test_recovery_off_still_tracks_arrivals_and_departures(make_rig) -> None:
+    rig = make_rig(make_settings(budget_pct=0.0))
+    rid = rig.host.submit("e", toks(1, 100))
+    assert rig.plugin.registry.foreground_active()
+    rig.host.run_until_idle()
+    assert not rig.plugin.registry.foreground_active()
+    assert rig.host.result(rid).output_tokens
+
+
+# -- the append-heavy session --------------------------------------------------------------
+
+
+def test_seven_turn_sparse_session_keeps_the_reusable_prefix_up_with_the_conversation(make_rig, cold) -> None:
+    rig = make_rig()
+    prompt = toks(10, 330)
+    previous_len = 0
+    for turn in range(7):
+        result = rig.serve("e", prompt)
+        assert result.route == "sparse"
+        debt = len(prompt) - result.cached_tokens
+        assert rig.engine_status()["debt"] == debt
+        if turn > 0:
+            appended = len(prompt) - previous_len
+            assert result.cached_tokens > 0
+            assert debt <= B + appended, f"turn {turn}: debt {debt}, appended {appended}"
+        rig.host.drive_idle()
+        status = rig.engine_status()
+        assert status["jobs"] == []  # the whole served range was recovered
+        assert rig.host.engines["e"].prefix_cache.stored_tokens(prompt) == len(prompt) // B * B
+        previous_len = len(prompt)
+        prompt = prompt + list(result.output_tokens) + toks(100 + turn, 90)
+
+    status = rig.engine_status()
+    assert status["counters"]["faults"] == {}
+    assert status["counters"]["tokens_recovered"] >= previous_len // B * B - 330 // B * B
+
+    # A dense request restoring the recovered blocks answers exactly like a cold one.
+    warm = rig.serve("e", prompt, sparse=False, max_tokens=6)
+    assert warm.route == "dense" and warm.cached_tokens >= previous_len // B * B
+    reference = cold(prompt, max_tokens=6)
+    assert reference.cached_tokens == 0
+    assert warm.output_tokens == reference.output_tokens
+    assert mx.allclose(warm.first_logits, reference.first_logits, atol=1e-4).item()
+
+
+def test_a_job_starts_from_the_prefix_the_host_already_has(make_rig) -> None:
+    rig = make_rig()
+    head = toks(3, 256)
+    rig.serve("e", head, sparse=False)  # the host stores 256 tokens itself
+    prompt = head + toks(4, 300)
+    result = rig.serve("e", prompt)
+    assert result.route == "sparse" and result.cached_tokens == 256
+    rig.host.drive_idle()
+    assert rig.begun[0][1] == 256  # the live state began on the host's prefix
+    assert rig.calls["advance"] == 2  # 512 - 256 tokens in 128-token slices
+    assert rig.engine_status()["counters"]["tokens_recovered"] == len(prompt) // B * B - 256
+
+
+# -- foreground wins -----------------------------------------------------------------------
+
+
+def test_arrival_during_a_slice_stops_it_and_the_job_resumes_from_its_committed_block(make_rig, cold) -> None:
+    rig = make_rig()
+    prompt = toks(20, 700)
+    rig.serve("e", prompt)
+    arriving = toks(21, 150)
+    rids: list[str] = []
+
+    def arrive_on_second_slice(n: int) -> None:
+        if n == 2:
+            rids.append(rig.host.submit("e", arriving, max_tokens=4))
+
+    rig.before_advance = arrive_on_second_slice
+    rig.host.drive_idle()
+    status = rig.engine_status()
+    assert rig.outcomes[1].interrupted and rig.outcomes[1].blocks == []
+    assert status["counters"]["slices_interrupted"] == 1
+    assert status["live_offset"] is None and rig.open_lives == set()
+    (job,) = status["jobs"]
+    assert job["committed"] == STEP  # the first slice only; nothing of the stopped one
+    assert status["last_refusal"] == "slice_interrupted"
+
+    rig.before_advance = None
+    rig.host.run_until_idle()
+    assert rig.host.result(rids[0]).output_tokens == cold(arriving).output_tokens
+    rig.host.drive_idle()
+    assert rig.engine_status()["jobs"] == []
+    assert rig.begun[-1][1] == STEP  # resumed from the committed block, fetched back
+    assert rig.host.engines["e"].prefix_cache.stored_tokens(prompt) == 640
+
+
+def test_admission_retires_the_live_state_before_the_request_runs(make_rig) -> None:
+    rig = make_rig()
+    engine = rig.host.engines["e"]
+    rig.serve("e", toks(30, 700))
+    engine.offer_idle_step()
+    engine.offer_idle_step()  # one slice; the live state stays for the next one
+    assert len(rig.open_lives) == 1
+    rig.serve("e", toks(31, 100), sparse=False)
+    assert rig.open_lives == set()
+    assert rig.calls["advance"] == 1
+
+
+def test_arrival_on_another_engine_refuses_the_next_slice_and_retires_the_live_state(make_rig) -> None:
+    rig = make_rig(engines=("e1", "e2"))
+    e1 = rig.host.engines["e1"]
+    rig.serve("e1", toks(40, 700))
+    e1.offer_idle_step()
+    e1.offer_idle_step()
+    assert len(rig.open_lives) == 1
+    rig.host.submit("e2", toks(41, 100))
+    answers = e1.offer_idle_step()
+    assert answers and isinstance(answers[0], float) and answers[0] > 0
+    assert rig.calls["advance"] == 1 and rig.open_lives == set()
+    assert rig.engine_status("e1")["last_refusal"] in (reasons.OTHER_ENGINE_BUSY, reasons.FOREGROUND_ACTIVE)
+    rig.host.run_until_idle()
+    rig.host.drive_idle()
+    assert rig.engine_status("e1")["jobs"] == []
+
+
+# -- cancellation --------------------------------------------------------------------------
+
+
+def _cancel(rig: Rig, how: str) -> None:
+    host = rig.host
+    if how == "reset":
+        host.reset("e")
+    elif how == "deep_reset":
+        host.reset("e", deep=True)
+    elif how == "abort_all":
+        host.abort_all("e")
+        host.run_until_idle()
+    elif how == "fail_all":
+        host.fail_all("e", "boom")
+        host.run_until_idle()
+    elif how == "shutdown":
+        host.shutdown("e")
+    elif how == "unload":
+        host.unload("e")
+
+
+@pytest.mark.parametrize("how", ["reset", "deep_reset", "abort_all", "fail_all", "shutdown", "unload"])
+def test_cancellation_hooks_drop_jobs_live_state_and_references(make_rig, how) -> None:
+    rig = make_rig()
+    engine = rig.host.engines["e"]
+    rig.serve("e", toks(50, 700))
+    rig.serve("e", toks(51, 300))
+    engine.offer_idle_step()
+    engine.offer_idle_step()
+    assert len(rig.open_lives) == 1 and len(rig.engine_status()["jobs"]) == 2
+    _cancel(rig, how)
+    assert rig.open_lives == set()
+    assert rig.host.leaked() == {}
+    engines = rig.plugin.status()["engines"]
+    if how in ("shutdown", "unload"):
+        assert "e" not in engines
+        assert rig.host.drive_idle() == 0
+        return
+    assert engines["e"]["jobs"] == []
+    assert engines["e"]["counters"]["jobs_cancelled"] == 2
+    assert rig.host.drive_idle() == 1
+    # The engine keeps recovering what it serves next.
+    prompt = toks(52, 300)
+    rig.serve("e", prompt)
+    rig.host.drive_idle()
+    assert engine.prefix_cache.stored_tokens(prompt) == 256
+
+
+# -- several jobs per engine ---------------------------------------------------------------
+
+
+def test_interleaved_sessions_keep_their_jobs_and_the_latest_is_recovered_first(make_rig) -> None:
+    rig = make_rig()
+    system = toks(60, 64)
+    a = system + toks(61, 330)
+    b = system + toks(62, 330)
+    rig.serve("e", a)
+    rig.serve("e", b)
+    assert len(rig.engine_status()["jobs"]) == 2
+    rig.host.drive_idle()
+    assert rig.begun[0][0][:100] == tuple(b[:100])  # most recently served goes first
+    assert rig.engine_status()["jobs"] == []
+    a2 = rig.serve("e", a + toks(63, 80))
+    b2 = rig.serve("e", b + toks(64, 80))
+    assert a2.cached_tokens == len(a) // B * B
+    assert b2.cached_tokens == len(b) // B * B
+
+
+def test_jobs_per_engine_are_bounded_dropping_the_least_recently_served(make_rig) -> None:
+    rig = make_rig(make_settings(max_jobs_per_engine=2))
+    sessions = [toks(70 + i, 300) for i in range(3)]
+    for prompt in sessions:
+        rig.serve("e", prompt)
+    status = rig.engine_status()
+    assert len(status["jobs"]) == 2
+    assert status["counters"]["jobs_dropped"] == 1
+    rig.host.drive_idle()
+    cache = rig.host.engines["e"].prefix_cache
+    assert cache.stored_tokens(sessions[0]) == 0
+    assert cache.stored_tokens(sessions[1]) == cache.stored_tokens(sessions[2]) == 256
+
+
+def test_a_fork_replaces_the_job_it_forks_from(make_rig) -> None:
+    rig = make_rig()
+    base = toks(80, 500)
+    rig.serve("e", base)
+    forked = base[:400] + toks(81, 100)
+    rig.serve("e", forked)
+    (job,) = rig.engine_status()["jobs"]
+    assert job["tokens"] == len(forked)
+
+
+# -- budget, idle steps and slice size --------------------------------------------------
+
+
+def test_spent_budget_window_asks_to_be_called_back_when_it_refills(make_rig) -> None:
+    clock = FakeClock()
+    rig = make_rig(make_settings(budget_pct=10.0, budget_window_s=10.0), clock=clock)
+    rig.before_advance = lambda n: clock.advance(0.6)  # each slice costs 0.6 s of a 1 s allowance
+    rig.serve("e", toks(90, 700))
+    rig.host.drive_idle()
+    assert rig.calls["advance"] == 2
+    status = rig.engine_status()
+    assert status["last_refusal"] == reasons.BUDGET_SPENT
+    assert rig.host.last_idle_retry_after == pytest.approx(10.0 - 1.2)
+    assert rig.open_lives == set()  # a spent window retires the live state
+    clock.advance(9.0)
+    rig.host.drive_idle()
+    assert rig.calls["advance"] == 4
+
+
+def test_slices_wait_for_the_models_idle_steps_and_use_its_slice_size(make_rig) -> None:
+    rig = make_rig(make_settings(models={MODEL: {"enabled": True, "idle_steps": 4, "slice_tokens": 64}}))
+    engine = rig.host.engines["e"]
+    rig.serve("e", toks(95, 300))
+    for _ in range(3):
+        assert engine.offer_idle_step() == [True]
+    assert rig.calls["advance"] == 0
+    assert rig.engine_status()["last_refusal"] == reasons.NOT_ENOUGH_IDLE_STEPS
+    rig.host.drive_idle()
+    assert [o.tokens_run for o in rig.outcomes] == [64, 64, 64, 64]
+
+
+def test_set_budget_turns_recovery_off_and_on_in_place(make_rig) -> None:
+    rig = make_rig()
+    rig.plugin.set_budget(0)
+    rig.serve("e", toks(96, 300))
+    assert rig.engine_status()["jobs"] == []
+    assert rig.plugin.status()["enabled"] is False
+    snapshot = rig.plugin.set_budget(25)
+    assert snapshot["pct"] == 25
+    rig.serve("e", toks(97, 300))
+    rig.host.drive_idle()
+    assert rig.engine_status()["last_refusal"] == reasons.BUDGET_SPENT  # from the next window
+    rig.clock.advance(rig.plugin.budget.window_s)
+    rig.host.drive_idle()
+    assert rig.engine_status()["counters"]["tokens_recovered"] == 256
+    with pytest.raises(ValueError):
+        rig.plugin.set_budget(101)
+
+
+# -- status and control ----------------------------------------------------------------
+
+
+def test_status_reports_jobs_boundaries_debt_and_counters(make_rig) -> None:
+    rig = make_rig()
+    engine = rig.host.engines["e"]
+    rig.serve("e", toks(98, 700))
+    engine.offer_idle_step()
+    engine.offer_idle_step()
+    status = rig.plugin.status()
+    es = status["engines"]["e"]
+    (job,) = es["jobs"]
+    assert job["committed"] == STEP and job["target_end"] == 700 and job["publish_end"] == 640
+    assert es["live_offset"] == STEP and es["live_job_id"] == job["job_id"]
+    assert es["debt"] == 700 - STEP == status["process"]["debt"]
+    assert es["counters"]["slices"] == 1 and es["counters"]["tokens_recovered"] == STEP
+    assert status["budget"]["pct"] == 50.0
+    assert "share_used" in status["budget"] and status["process"]["faults"] == {}
+    counters = rig.plugin.counters()
+    assert counters["mlx_recovery_tokens_recovered_total:e"] == STEP
+    assert counters["mlx_recovery_debt_tokens"] == 700 - STEP
+
+
+def test_control_socket_serves_status_and_budget_and_goes_with_the_last_engine(make_rig, tmp_path_factory) -> None:
+    path = str(tmp_path_factory.mktemp("ctl") / "r.sock")
+    rig = make_rig(control_socket=path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    answer = request(path, {"op": "status"})
+    assert answer["ok"] and "e" in answer["status"]["engines"]
+    answer = request(path, {"op": "budget", "pct": 12.5})
+    assert answer["ok"] and rig.plugin.budget.pct == 12.5
+    assert request(path, {"op": "budget", "pct": -1})["ok"] is False
+    rig.host.shutdown("e")
+    assert not os.path.exists(path)
+
+
+def test_plugin_loads_from_its_entry_point_with_settings_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_PCT", "5")
+    monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"org/model": {"enabled": true, "slice_tokens": 256}}')
+    monkeypatch.setenv("MLX_RECOVERY_CONTROL_SOCKET", "off")
+    monkeypatch.setenv("MLX_RECOVERY_PLUGINS", "recovery")
+    pm = make_plugin_manager()
+    assert pm.load_report.loaded == ["recovery"]
+    plugin = pm.get_plugin("recovery")
+    assert isinstance(plugin, RecoveryPlugin)
+    try:
+        assert plugin.budget.pct == 5.0
+        assert plugin.enabled_for("org/model") and not plugin.enabled_for("other/model")
+        assert plugin.status()["control_socket"] is None
+    finally:
+        plugin.close()

@@ -1,0 +1,149 @@
+"""The recovery plugin in the mock host's threaded mode: one loop thread per engine, as the
+real server runs. An unload from a control thread stops a running slice and drops its
+state; a request arriving on another engine during recovery gets the same answer as on
+a cold host; recovery then finishes by itself."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.runner import SliceRunner
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.host import MockHost
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
+
+B = 64
+MODEL = "tiny"
+SETTINGS = RecoverySettings(budget_pct=100.0, idle_steps=2, models={MODEL: {"enabled": True}})
+WAIT_S = 60.0  # generous bound on waits for another thread; never a timing assertion
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+class BlockingRunner:
+    """The real runner; while ``hold`` is set, a slice waits at its start until its stop
+    signal turns True (the slice is "running" when the stop request comes)."""
+
+    def __init__(self, inner: SliceRunner) -> None:
+        self.inner = inner
+        self.hold = threading.Event()
+        self.started = threading.Event()
+        self.open: set[int] = set()
+        self.lock = threading.Lock()
+        self.outcomes: list[Any] = []
+
+    def begin(self, tokens: Sequence[int], prefix: Any) -> Any:
+        live = self.inner.begin(tokens, prefix)
+        with self.lock:
+            self.open.add(id(live))
+        return live
+
+    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+        if self.hold.is_set():
+            self.started.set()
+            deadline = time.monotonic() + WAIT_S
+            while not should_stop() and time.monotonic() < deadline:
+                time.sleep(0.002)
+        outcome = self.inner.advance(live, end, should_stop)
+        self.outcomes.append(outcome)
+        return outcome
+
+    def discard(self, live: Any) -> None:
+        with self.lock:
+            self.open.discard(id(live))
+        self.inner.discard(live)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir, tiny_draft_dir) -> tuple[Any, Any, Any]:
+    model, tokenizer = load_tiny_model(tiny_llama_dir)
+    draft, _ = load_tiny_model(tiny_draft_dir)
+    return model, tokenizer, draft
+
+
+def build(loaded, engines: Sequence[str]) -> tuple[MockHost, RecoveryPlugin, list[BlockingRunner]]:
+    model, tokenizer, draft = loaded
+    runners: list[BlockingRunner] = []
+
+    def factory(handle: Any, block_size: int, interruptible: bool) -> BlockingRunner:
+        runners.append(BlockingRunner(SliceRunner(handle, block_size, interruptible=interruptible)))
+        return runners[-1]
+
+    plugin = RecoveryPlugin(SETTINGS, runner_factory=factory, control_socket=False)
+    host = MockHost(make_plugin_manager([plugin], settings=SETTINGS, entry_points_too=False))
+    for engine_id in engines:
+        host.add_engine(
+            engine_id, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL,
+            block_size=B, prefill_step=128, sparse_threshold=16,
+        )
+    return host, plugin, runners
+
+
+def wait_until(predicate: Any) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.005)
+
+
+def test_unload_from_a_control_thread_stops_the_running_slice_and_drops_everything(loaded) -> None:
+    host, plugin, runners = build(loaded, ["e"])
+    host.start()
+    try:
+        rid = host.submit("e", toks(1, 700), sparse=True, max_tokens=2)
+        host.wait(rid, WAIT_S)
+        wait_until(lambda: runners)
+        runner = runners[0]
+        runner.hold.set()
+        assert runner.started.wait(WAIT_S)
+        plugin.model_unloaded("e", MODEL)  # from this (control) thread, mid-slice
+        assert "e" not in plugin.status()["engines"]
+        wait_until(lambda: not runner.open)
+        assert any(o.interrupted for o in runner.outcomes)
+    finally:
+        host.stop()
+    assert host.leaked() == {}
+    plugin.close()
+
+
+def test_request_on_another_engine_during_recovery_is_answered_as_on_a_cold_host(loaded) -> None:
+    host, plugin, runners = build(loaded, ["e1", "e2"])
+    probe_prompt = toks(3, 200)
+    reference_host = MockHost(make_plugin_manager([], settings=SETTINGS, entry_points_too=False))
+    model, tokenizer, _ = loaded
+    reference_host.add_engine("cold", model=model, tokenizer=tokenizer, block_size=B, prefill_step=128)
+    ref = reference_host.submit("cold", probe_prompt, max_tokens=4)
+    reference_host.run_until_idle()
+    expected = reference_host.result(ref).output_tokens
+
+    host.start()
+    try:
+        long_prompt = toks(2, 900)
+        host.wait(host.submit("e1", long_prompt, sparse=True, max_tokens=2), WAIT_S)
+        wait_until(lambda: runners)
+        runners[0].hold.set()
+        assert runners[0].started.wait(WAIT_S)
+        runners[0].hold.clear()
+        answer = host.wait(host.submit("e2", probe_prompt, max_tokens=4), WAIT_S)
+        assert answer.output_tokens == expected
+        cache = host.engines["e1"].prefix_cache
+        wait_until(lambda: plugin.status()["engines"]["e1"]["jobs"] == [])
+        assert cache.stored_tokens(long_prompt) == len(long_prompt) // B * B
+        assert any(o.interrupted for o in runners[0].outcomes)
+    finally:
+        host.stop()
+    assert host.leaked() == {}
+    assert all(not r.open for r in runners)
+    plugin.close()
