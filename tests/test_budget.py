@@ -301,3 +301,19 @@ def test_concurrent_engines_never_both_hold_the_claim_and_lose_no_charge() -> No
     snap = budget.snapshot()
     assert snap["claimed_by"] is None
     assert snap["charged_s"] == pytest.approx(0.001 * snap["slices"])
+
+
+def test_remaining_allowance_shrinks_with_charges_and_refills_next_window() -> None:
+    from mlx_recovery_plugin.recovery.budget import Budget
+
+    now = [0.0]
+    budget = Budget(10.0, 10.0, clock=lambda: now[0])
+    assert budget.remaining_s() == pytest.approx(1.0)
+    budget.charge(0.3)
+    assert budget.remaining_s() == pytest.approx(0.7)
+    budget.charge(2.0)
+    assert budget.remaining_s() == 0.0
+    now[0] = 10.5  # overshoot of 1.3 s carries, capped at one allowance
+    assert budget.remaining_s() == 0.0
+    now[0] = 20.5
+    assert budget.remaining_s() == pytest.approx(1.0)

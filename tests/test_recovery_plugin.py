@@ -73,6 +73,8 @@ class RecordingRunner:
         self.rig.calls["advance"] += 1
         if self.rig.before_advance is not None:
             self.rig.before_advance(self.rig.calls["advance"])
+        if self.rig.slice_cost is not None:
+            self.rig.slice_cost(end - live.offset)
         outcome = self.inner.advance(live, end, should_stop)
         self.rig.outcomes.append(outcome)
         return outcome
@@ -92,7 +94,8 @@ class Rig:
     begun: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
     open_lives: set[int] = field(default_factory=set)
     outcomes: list[Any] = field(default_factory=list)
-    before_advance: Callable[[int], None] | None = None
+    before_advance: Callable[[int], None] | None = None  # gets the advance call's number
+    slice_cost: Callable[[int], None] | None = None  # gets the slice's token count
 
     def serve(self, engine_id: str, prompt: Sequence[int], *, sparse: bool = True, max_tokens: int = 4):
         rid = self.host.submit(engine_id, prompt, sparse=sparse, max_tokens=max_tokens)
@@ -422,6 +425,30 @@ def test_spent_budget_window_asks_to_be_called_back_when_it_refills(make_rig) ->
     clock.advance(9.0)
     rig.host.drive_idle()
     assert rig.calls["advance"] == 4
+
+
+def test_slices_shrink_to_the_allowance_so_long_slices_do_not_overshoot_the_cap(make_rig) -> None:
+    clock = FakeClock()
+    rate = 1000.0  # simulated tokens per second: a 512-token slice would cost 5x the allowance
+    rig = make_rig(
+        make_settings(budget_pct=10.0, budget_window_s=1.0, models={MODEL: {"enabled": True, "slice_tokens": 512}}),
+        clock=clock,
+    )
+    rig.slice_cost = lambda n: clock.advance(n / rate)
+    rig.serve("e", toks(91, 1600))
+    started = clock()
+    for _ in range(200):
+        rig.host.drive_idle()
+        if rig.host.last_idle_retry_after is None:
+            break
+        clock.advance(rig.host.last_idle_retry_after)
+    runs = [o.tokens_run for o in rig.outcomes]
+    assert runs[0] == 512  # nothing measured yet: the configured slice
+    allowance_tokens = rate * 0.10 * 1.0
+    assert all(16 <= n <= allowance_tokens for n in runs[1:])
+    assert sum(runs) >= 1600 - B  # the whole served range still gets recovered
+    share = sum(runs[1:]) / rate / (clock() - started)
+    assert share <= 0.10 + 16 / rate
 
 
 def test_slices_wait_for_the_models_idle_steps_and_use_its_slice_size(make_rig) -> None:

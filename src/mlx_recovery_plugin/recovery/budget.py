@@ -123,6 +123,12 @@ class Budget:
             # Never 0 while unavailable, even where float rounding puts "now" on a boundary.
             return max(to_next, _MIN_WAIT_S)
 
+    def remaining_s(self) -> float:
+        """Allowance left in the current window, in seconds (0 when spent or off)."""
+        with self._lock:
+            self._roll_locked(self._clock())
+            return max(0.0, self._allowance(self._pct_in_window) - self._used)
+
     def charge(self, seconds: float) -> None:
         """Charge a slice that has run for ``seconds`` to the current window."""
         if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:

@@ -55,6 +55,8 @@ INTERRUPTED = "slice_interrupted"  # a refusal-like reason for the status
 
 # Ask again after this long when another engine or a request holds the process.
 RETRY_S = 0.1
+# Smallest slice the budget fit shrinks to, in tokens.
+SLICE_GRAIN = 16
 # Back-off after a runner fault, doubled per repeat, and the repeats before giving up.
 PARK_BASE_S = 1.0
 PARK_MAX_S = 60.0
@@ -133,6 +135,8 @@ class EngineRecovery:
         self._stop = threading.Event()
         self._cancel_gen = 0
         self.closed = False
+        # Recovered tokens per charged second, learned from whole slices (engine thread).
+        self._tokens_per_s: float | None = None
         self.book = JobBook(self.block_size, settings.max_jobs_per_engine)
         self.counters = EngineCounters()
         self.last_refusal: str | None = None
@@ -268,10 +272,12 @@ class EngineRecovery:
             return self._stop.is_set() or self._arrivals() != arrivals
 
         started = self._clock()
+        ran = 0
         try:
-            self._run_slice(job, should_stop)
+            ran = self._run_slice(job, should_stop)
         finally:
             spent = max(0.0, self._clock() - started)
+            self._learn_rate(ran, spent)
             self._budget.charge(spent)
             self._budget.release_claim(self.engine_id)
             with self._lock:
@@ -304,23 +310,24 @@ class EngineRecovery:
             return wait if math.isfinite(wait) and wait > 0 else RETRY_S
         return RETRY_S
 
-    def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> None:
+    def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> int:
+        """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)."""
         runner = self._ensure_runner()
         if runner is None:
-            return
+            return 0
         end_target = job.publish_end(self.block_size)
         if self._live is None or self._live_job is not job or self._live_end != end_target:
             self._retire_live()
             if not self._start(job, runner, end_target):
-                return
+                return 0
 
         start = self._live.offset
-        end = min(start + self.slice_tokens, end_target)
+        end = min(start + self._slice_tokens_now(), end_target)
         try:
             outcome = runner.advance(self._live, end, should_stop)
         except Exception as exc:  # noqa: BLE001 - runner faults park the job
             self._runner_fault(job, exc)
-            return
+            return 0
         with self._lock:
             self.counters.slices += 1
             self.counters.tokens_run += int(outcome.tokens_run)
@@ -330,11 +337,11 @@ class EngineRecovery:
                 self.counters.slices_interrupted += 1
                 self.last_refusal = INTERRUPTED
             self._retire_live()
-            return
+            return 0
         if self._stop.is_set():
-            return  # cancelled while the slice ran: publish nothing
+            return 0  # cancelled while the slice ran: publish nothing
         if outcome.blocks and not self._publish(job, list(outcome.blocks)):
-            return
+            return 0
         with self._lock:
             job.attempts, job.parked_until = 0, None
             if job.done(self.block_size):
@@ -345,6 +352,23 @@ class EngineRecovery:
                 finished = False
         if finished:
             self._retire_live()
+        return int(outcome.tokens_run)
+
+    def _slice_tokens_now(self) -> int:
+        """The configured slice, shrunk to what the window's remaining allowance pays for
+        at the measured rate: a slice is charged after it runs, so one longer than the
+        allowance would overshoot the cap by the difference."""
+        if self._tokens_per_s is None:
+            return self.slice_tokens
+        affordable = int(self._tokens_per_s * self._budget.remaining_s()) // SLICE_GRAIN * SLICE_GRAIN
+        return max(SLICE_GRAIN, min(self.slice_tokens, affordable))
+
+    def _learn_rate(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self._tokens_per_s
+        self._tokens_per_s = rate if old is None else 0.5 * old + 0.5 * rate
 
     def _start(self, job: RecoveryJob, runner: SliceRunnerLike, end_target: int) -> bool:
         """Begin a live state at the whole-block prefix the host has now (fetch, begin,
