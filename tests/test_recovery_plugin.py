@@ -481,6 +481,20 @@ def test_set_budget_turns_recovery_off_and_on_in_place(make_rig) -> None:
         rig.plugin.set_budget(101)
 
 
+def test_jobs_paused_by_a_zero_budget_resume_when_it_is_raised_on_an_idle_host(make_rig) -> None:
+    rig = make_rig()
+    rig.serve("e", toks(98, 300))
+    rig.plugin.set_budget(0)
+    rig.host.drive_idle()
+    assert rig.engine_status()["counters"]["tokens_recovered"] == 0
+    # The idle host is told when to look again, instead of never.
+    assert rig.host.last_idle_retry_after == rig.plugin.budget.window_s
+    rig.plugin.set_budget(50)
+    rig.clock.advance(rig.host.last_idle_retry_after)
+    rig.host.drive_idle()
+    assert rig.engine_status()["counters"]["tokens_recovered"] == 256
+
+
 # -- status and control ----------------------------------------------------------------
 
 

@@ -303,7 +303,13 @@ class EngineRecovery:
             self._count_fault(HOST_GONE)
             self._drop_everything(HOST_GONE)
             return None
-        if reason in (reasons.MODEL_NOT_OPTED_IN, reasons.BUDGET_OFF):
+        if reason == reasons.BUDGET_OFF:
+            # Jobs left from before the budget went to 0: look again once a window, so a
+            # budget raised in place resumes them on an idle host that steps only on request.
+            with self._lock:
+                pending = len(self.book) > 0
+            return self._budget.window_s if pending else None
+        if reason == reasons.MODEL_NOT_OPTED_IN:
             return None
         if reason == reasons.BUDGET_SPENT:
             wait = self._budget.seconds_until_available()
