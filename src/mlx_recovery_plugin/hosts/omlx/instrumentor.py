@@ -1,0 +1,261 @@
+"""Attach the lifecycle hooks to oMLX at run time, without editing any file of it.
+
+:class:`OmlxInstrumentor` follows the OpenTelemetry instrumentor pattern: ``instrument()``
+checks oMLX's version and that every method it wraps exists, then replaces those methods
+on ``omlx.scheduler.Scheduler`` and ``omlx.engine_core.EngineCore`` with thin wrappers
+(:mod:`.wrappers`) that call the original and report what happened as hook calls;
+``uninstrument()`` puts back the very objects that were there. Both are idempotent.
+
+=====================================  =====================================================
+oMLX                                   hook (thread)
+=====================================  =====================================================
+``EngineCore.__init__``, first sight   ``engine_attached`` (the building thread)
+of a scheduler
+``EngineCore.add_request``,            ``request_arrived``, once, at the earlier of the two
+``Scheduler.add_request``              (event-loop thread / engine thread)
+``Scheduler._schedule_waiting``        ``request_admitted`` (engine thread)
+``Scheduler._cleanup_finished``        ``sparse_route_served`` for sparse-route requests,
+                                       then ``request_departed`` finished (engine thread)
+``Scheduler._do_abort_request``        ``request_aborted`` + ``request_departed`` aborted
+``EngineCore.abort_all_requests``      ``engine_aborted_all`` (engine thread, next step)
+``Scheduler.fail_all_requests``        ``engine_failed_all`` with the step's error +
+                                       ``request_departed`` failed (engine thread)
+``Scheduler.reset`` / ``deep_reset``   ``engine_reset``, before the cache is cleared
+/ ``_recover_from_cache_error``        (engine thread)
+``EngineCore.stop``,                   ``engine_shutdown`` (event-loop / engine thread)
+``Scheduler.shutdown``
+``EngineCore.close`` (``EnginePool``   ``engine_shutdown`` if not yet, then
+unloads reach it)                      ``model_unloaded``, before the model goes
+``Scheduler.has_requests`` / ``step``  idle driving: ``engine_idle_step`` (engine thread,
+                                       engine stream; see :mod:`.idle_driver`)
+=====================================  =====================================================
+
+Threads: see :mod:`.lifecycle`. ``instrument`` / ``uninstrument`` hold ``_lock``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pluggy
+
+from ...plugins import HookEmitter, get_plugin_manager
+from .lifecycle import Lifecycle
+from .ports import OmlxEngine
+from .wrappers import FACTORIES
+
+log = logging.getLogger(__name__)
+
+#: oMLX releases this adapter was written against: ``>= 0.7, < 0.8``.
+SUPPORTED_VERSIONS = ((0, 7), (0, 8))
+
+SCHEDULER_METHODS = tuple(name for cls, name in FACTORIES if cls == "Scheduler")
+ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCore")
+# Used by the ports, not wrapped: their absence means an oMLX this adapter does not know.
+SCHEDULER_NEEDS = ("_extract_cache_states", "set_specprefill_draft_model", "abort_request")
+
+_MISSING = object()
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric parts of a version string: ``"0.7.0rc1"`` -> ``(0, 7, 0)``."""
+    parts: list[int] = []
+    for piece in text.split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+def version_supported(version: str) -> bool:
+    low, high = SUPPORTED_VERSIONS
+    parsed = parse_version(version)
+    return bool(parsed) and low <= parsed < high
+
+
+class OmlxInstrumentor:
+    """The oMLX host adapter (entry point ``omlx`` of ``mlx_recovery_plugin.hosts``)."""
+
+    name = "omlx"
+    trigger_module = "omlx.scheduler"
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        accept: Callable[[Any], bool] | None = None,
+    ) -> None:
+        """``clock`` drives idle-step delays; ``accept(scheduler)`` limits the adapter to
+        some schedulers (the others run exactly as if it were not there)."""
+        self._clock = clock
+        self._accept = accept
+        self._lock = threading.RLock()
+        self._originals: dict[tuple[type, str], Any] = {}
+        self._life: Lifecycle | None = None
+        self.version: str | None = None
+
+    # -- the adapter protocol --------------------------------------------------------
+
+    def host_importable(self) -> bool:
+        try:
+            return importlib.util.find_spec("omlx") is not None
+        except (ImportError, ValueError):
+            return False
+
+    @property
+    def is_instrumented(self) -> bool:
+        return bool(self._originals)
+
+    def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
+        """Wrap oMLX's scheduler and engine; True when attached (now or before). Hooks go
+        to ``pm``, by default the process plugin manager."""
+        with self._lock:
+            if self._originals:
+                return True
+            classes = {
+                "Scheduler": importlib.import_module("omlx.scheduler").Scheduler,
+                "EngineCore": importlib.import_module("omlx.engine_core").EngineCore,
+            }
+            version = _omlx_version()
+            if not version_supported(version):
+                low, high = (".".join(map(str, v)) for v in SUPPORTED_VERSIONS)
+                log.warning(
+                    "mlx-recovery: oMLX %s is not supported (this adapter knows >=%s,<%s); "
+                    "not attaching", version, low, high,
+                )
+                return False
+            wanted = [*FACTORIES, *(("Scheduler", n) for n in SCHEDULER_NEEDS)]
+            missing = [f"{c}.{n}" for c, n in wanted if not hasattr(classes[c], n)]
+            if missing:
+                log.warning("mlx-recovery: oMLX %s lacks %s; not attaching", version, ", ".join(missing))
+                return False
+            emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
+            self._life = Lifecycle(emitter, self._clock, self._accept)
+            self.version = version
+            originals: dict[str, Any] = {}
+            for (cls_name, name), factory in FACTORIES.items():
+                cls = classes[cls_name]
+                current = getattr(cls, name)
+                wrapper = factory(self._life, current, originals)
+                functools.update_wrapper(wrapper, current)
+                wrapper.__mlx_recovery_wrapper__ = True  # type: ignore[attr-defined]
+                self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
+                originals[f"{cls_name}.{name}"] = current
+                setattr(cls, name, wrapper)
+            plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
+            log.info(
+                "mlx-recovery: attached to oMLX %s (%d methods wrapped, no file changed); "
+                "plugins: %s", version, len(self._originals), ", ".join(plugins) or "none",
+            )
+            return True
+
+    def uninstrument(self) -> None:
+        """Put back every original method, and tell plugins the engines are gone."""
+        with self._lock:
+            if not self._originals:
+                return
+            for (cls, name), original in self._originals.items():
+                if original is _MISSING:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, original)
+            self._originals.clear()
+            life, self._life = self._life, None
+        if life is not None:
+            for record in life.forget_all():
+                life.emit("engine_shutdown", engine_id=record.engine_id)
+        log.info("mlx-recovery: detached from oMLX; original methods restored")
+
+    def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
+        """What the start-up hook waits for: the scheduler module (attach), and the
+        server module (admin routes on its app)."""
+        return {"omlx.scheduler": lambda _module: self.instrument(), "omlx.server": self.attach_admin}
+
+    def attach_admin(self, server_module: Any) -> bool:
+        """Add the recovery admin routes to ``omlx.server.app`` (after ``instrument()``)."""
+        life = self._life
+        app = getattr(server_module, "app", None)
+        if life is None or app is None:
+            return False
+        from .admin import attach_admin_routes
+
+        return attach_admin_routes(app, life.emitter.pm, on_budget_change=lambda _pct: self.wake())
+
+    # -- engines ---------------------------------------------------------------------
+
+    def attach(self, scheduler: Any) -> OmlxEngine | None:
+        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
+        request; its port, or None (not instrumented, or ``accept`` refuses it)."""
+        life = self._life
+        record = life.engine(scheduler) if life is not None else None
+        return record.port if record is not None else None
+
+    def engine(self, scheduler: Any) -> OmlxEngine | None:
+        """The port of a scheduler the adapter has seen."""
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.port if record is not None else None
+
+    def engines(self) -> list[OmlxEngine]:
+        return [r.port for r in self._life.records()] if self._life is not None else []
+
+    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.driver.snapshot() if record is not None else None
+
+    def wake(self, scheduler: Any | None = None) -> None:
+        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
+        life = self._life
+        if life is None:
+            return
+        records = life.records() if scheduler is None else [life.get(scheduler)]
+        for record in records:
+            if record is not None:
+                record.driver.wake()
+
+    def host_has_work(self, scheduler: Any) -> bool:
+        """Would oMLX's engine loop step this scheduler for its own sake (requests,
+        deferred clears, a pending abort-all notice), idle offers aside?"""
+        has_requests = next(
+            (
+                self._originals[(cls, "has_requests")]
+                for cls in type(scheduler).__mro__
+                if callable(self._originals.get((cls, "has_requests")))
+            ),
+            type(scheduler).has_requests,
+        )
+        record = self._life.get(scheduler) if self._life is not None else None
+        return bool(has_requests(scheduler)) or (record is not None and record.aborted_all_pending)
+
+
+def _plugin_label(name: str, plugin: object) -> str:
+    # pluggy names an unnamed plugin by its id(); the class name says more.
+    return type(plugin).__name__ if name == str(id(plugin)) else name
+
+
+def _omlx_version() -> str:
+    module = sys.modules.get("omlx._version") or importlib.import_module("omlx._version")
+    return str(getattr(module, "__version__", "0"))
+
+
+def iter_wrapped(classes: Iterable[type]) -> list[str]:
+    """Names of the methods currently wrapped by an instrumentor (diagnostics)."""
+    return [
+        f"{cls.__name__}.{name}"
+        for cls in classes
+        for name, value in vars(cls).items()
+        if getattr(value, "__mlx_recovery_wrapper__", False)
+    ]

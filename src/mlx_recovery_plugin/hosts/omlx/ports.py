@@ -1,0 +1,374 @@
+"""The host ports over a live oMLX scheduler and its ``BlockAwarePrefixCache``.
+
+Reference counting, as oMLX does it: a stored block sits in the paged cache with
+``ref_count`` 0 (evictable, still findable by hash); whoever uses it holds +1.
+``fetch_cache`` takes +1 on every block it returns and files them in a block table under
+the caller's id; oMLX's own requests give them back with ``release_for_eviction`` (which
+never frees a block, unlike ``release_cache`` / ``delete_block_table``). The ports do
+exactly that, keep a ledger of every reference they took, and drop their block tables
+afterwards, so a released holder leaves no trace in the cache.
+
+``store`` goes through oMLX's own path, one block per ``store_cache`` call: the holder's
+block table already covers the earlier blocks (a fetch of them), so each call adds one
+block whose data is a one-block mlx-lm cache turned into oMLX's per-layer records by the
+scheduler's own ``_extract_cache_states``. One block per call keeps ``store_cache``'s
+slicing of relative vs. absolute positions unambiguous and never materialises the earlier
+blocks. A store holds oMLX's ``_mx_buffer_access_lock``, as oMLX's own cache writer does,
+so the two writers never interleave.
+
+Threads: every method runs on the engine thread (inside an idle step), except
+``release``, which may also run on a control thread during shutdown; the ledger is
+guarded by ``_lock`` and the paged cache by its own re-entrant lock. The ports hold the
+scheduler weakly: once oMLX drops it, fetch restores nothing and store stores nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from ...ports import FetchedPrefix
+from ...state import (
+    BlockState,
+    KVBlock,
+    LayerBlock,
+    RecurrentSnapshot,
+    UnsupportedCacheError,
+    blocks_from_cache,
+)
+
+log = logging.getLogger(__name__)
+
+HOLDER_PREFIX = "mlx-recovery/"
+_table_ids = itertools.count(1)
+
+
+def model_id_of(scheduler: Any) -> str:
+    """oMLX's model id: the model directory's name (``model_name`` is its path)."""
+    name = str(getattr(scheduler.config, "model_name", "") or "")
+    return os.path.basename(name.rstrip("/")) or name
+
+
+class OmlxModel:
+    """:class:`~mlx_recovery_plugin.ports.ModelHandle` over the scheduler's model."""
+
+    def __init__(self, scheduler: Any, model_id: str) -> None:
+        self._scheduler = weakref.ref(scheduler)
+        self._model_id = model_id
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def model(self) -> Any:
+        scheduler = self._scheduler()
+        return None if scheduler is None else scheduler.model
+
+    @property
+    def stream(self) -> Any:
+        scheduler = self._scheduler()
+        return None if scheduler is None else getattr(scheduler, "_stream", None)
+
+    def make_cache(self) -> list[Any]:
+        model = self.model
+        if model is None:
+            raise RuntimeError(f"the model of {self._model_id} was unloaded")
+        return make_prompt_cache(model)
+
+
+@dataclass(slots=True)
+class _Held:
+    """References one fetch took: the block ids, and the pool they belong to."""
+
+    table_id: str
+    block_ids: list[int]
+    pool: Any  # weakref to the PagedCacheManager
+    blocks_list: list[Any]  # the pool's block list at fetch time (replaced by a clear)
+
+
+class OmlxPrefixCache:
+    """:class:`~mlx_recovery_plugin.ports.PrefixCachePort` over ``block_aware_cache``."""
+
+    def __init__(self, scheduler: Any, engine_id: str) -> None:
+        self._scheduler = weakref.ref(scheduler)
+        self._engine_id = engine_id
+        self._lock = threading.Lock()
+        self._held: dict[str, list[_Held]] = {}
+        self._fallback_block_size = int(scheduler.config.paged_cache_block_size)
+
+    # -- the port --------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        cache = self._cache()
+        return int(cache.block_size) if cache is not None else self._fallback_block_size
+
+    @property
+    def enabled(self) -> bool:
+        """False when oMLX runs without its prefix cache (no ``paged_ssd_cache_dir``)."""
+        return self._cache() is not None
+
+    def fetch(self, holder_id: str, tokens: Sequence[int]) -> FetchedPrefix:
+        cache = self._cache()
+        if cache is None or not tokens:
+            return FetchedPrefix(tokens=0)
+        table_id = self._new_table_id(holder_id)
+        block_table, _ = cache.fetch_cache(table_id, list(tokens))
+        if block_table is None or not block_table.block_ids:
+            self._drop_table(cache, table_id)
+            return FetchedPrefix(tokens=0)
+        pool = cache.paged_cache
+        with self._lock:
+            self._held.setdefault(holder_id, []).append(
+                _Held(table_id, list(block_table.block_ids), weakref.ref(pool), pool.blocks)
+            )
+        # reconstruct_cache may shorten the table in place (a block it cannot load).
+        restored = cache.reconstruct_cache(block_table)
+        if not restored:
+            return FetchedPrefix(tokens=0)
+        size = int(cache.block_size)
+        n_blocks = int(block_table.num_tokens) // size
+        blocks = _blocks_of(restored, n_blocks, size)
+        return FetchedPrefix(tokens=n_blocks * size, blocks=tuple(blocks))
+
+    def release(self, holder_id: str) -> None:
+        with self._lock:
+            held = self._held.pop(holder_id, [])
+        for entry in held:
+            pool = entry.pool()
+            # After a reset the pool (or its block list) is new: those ids now name other
+            # blocks, and the old references died with the old pool.
+            if pool is None or pool.blocks is not entry.blocks_list:
+                continue
+            pool.release_for_eviction(entry.block_ids)
+            pool.request_tables.pop(entry.table_id, None)
+        cache = self._cache()
+        if cache is not None:
+            for entry in held:
+                cache.clear_request_entry(entry.table_id)
+
+    def store(self, holder_id: str, tokens: Sequence[int], blocks: Sequence[BlockState]) -> int:
+        scheduler, cache = self._scheduler(), self._cache()
+        if scheduler is None or cache is None or scheduler.model is None:
+            return 0
+        size = int(cache.block_size)
+        n_blocks = len(tokens) // size
+        prefix = [int(t) for t in tokens[: n_blocks * size]]
+        first = n_blocks - len(blocks)
+        for offset, block in enumerate(blocks):
+            if block.index != first + offset:
+                raise ValueError(
+                    f"blocks must be the last {len(blocks)} of {n_blocks}, got index {block.index}"
+                )
+        if not blocks:
+            return self.stored_tokens(prefix)
+        with host_buffer_lock(scheduler):
+            return self._store_blocks(scheduler, cache, holder_id, prefix, blocks, first)
+
+    def _store_blocks(
+        self,
+        scheduler: Any,
+        cache: Any,
+        holder_id: str,
+        prefix: list[int],
+        blocks: Sequence[BlockState],
+        first: int,
+    ) -> int:
+        size = int(cache.block_size)
+        table_id = self._new_table_id(holder_id)
+        held = 0
+        try:
+            if first > 0:
+                # The earlier blocks must already be stored; taking them under the table
+                # is what makes each store_cache below add exactly one block.
+                table, _ = cache.fetch_cache(table_id, prefix[: first * size])
+                held = int(table.num_tokens) if table is not None else 0
+                if held < first * size:
+                    return held
+            for block in blocks:
+                end = (block.index + 1) * size
+                one_block = _cache_of_block(scheduler.model, block)
+                records, cache_config = scheduler._extract_cache_states(one_block)
+                if not records:
+                    break
+                table = cache.store_cache(
+                    table_id, prefix[:end], records, model_cache_config=cache_config
+                )
+                if table is None or int(table.num_tokens) < end:
+                    break
+                held = end
+            return held
+        except UnsupportedCacheError as exc:
+            log.warning("mlx-recovery: %s cannot store recovered blocks: %s", self._engine_id, exc)
+            return held
+        finally:
+            self._drop_table(cache, table_id)
+
+    # -- inspection ------------------------------------------------------------------
+
+    def stored_tokens(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of ``tokens`` the cache holds as whole blocks (no reference taken)."""
+        cache = self._cache()
+        if cache is None:
+            return 0
+        _, count = cache.paged_cache.get_computed_blocks([int(t) for t in tokens])
+        return int(count)
+
+    def holders(self) -> list[str]:
+        """Holder ids that still have references (tests, status)."""
+        with self._lock:
+            return sorted(self._held)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _cache(self) -> Any:
+        scheduler = self._scheduler()
+        return None if scheduler is None else scheduler.block_aware_cache
+
+    def _new_table_id(self, holder_id: str) -> str:
+        return f"{HOLDER_PREFIX}{self._engine_id}/{holder_id}/{next(_table_ids)}"
+
+    @staticmethod
+    def _drop_table(cache: Any, table_id: str) -> None:
+        """Give back every reference filed under ``table_id`` and forget the table."""
+        pool = cache.paged_cache
+        table = pool.get_block_table(table_id)
+        if table is not None:
+            pool.release_for_eviction(list(table.block_ids))
+        pool.request_tables.pop(table_id, None)
+        cache.clear_request_entry(table_id)
+
+
+def host_buffer_lock(scheduler: Any) -> Any:
+    """oMLX's lock around its cache writer's reads of MLX buffers (re-entrant). Holding it
+    while storing keeps our writes and its worker's from interleaving."""
+    module = sys.modules.get(type(scheduler).__module__)
+    lock = getattr(module, "_mx_buffer_access_lock", None)
+    return lock if lock is not None else nullcontext()
+
+
+def _cache_of_block(model: Any, block: BlockState) -> list[Any]:
+    """A one-block mlx-lm cache holding exactly ``block``'s state."""
+    cache = make_prompt_cache(model)
+    if len(cache) != len(block.layers):
+        raise UnsupportedCacheError(
+            f"block has {len(block.layers)} layers, the model's cache {len(cache)}"
+        )
+    for i, (layer, part) in enumerate(zip(cache, block.layers)):
+        if isinstance(layer, ArraysCache):
+            if not isinstance(part, RecurrentSnapshot) or not part.arrays:
+                raise UnsupportedCacheError(f"layer {i}: no recurrent snapshot in block {block.index}")
+            layer.cache = list(part.arrays)
+        elif isinstance(layer, RotatingKVCache):
+            raise UnsupportedCacheError(f"layer {i}: sliding-window layers are not stored per block")
+        elif isinstance(layer, KVCache):
+            if not isinstance(part, KVBlock):
+                raise UnsupportedCacheError(f"layer {i}: expected keys/values in block {block.index}")
+            layer.keys, layer.values = part.keys, part.values
+            layer.offset = int(part.keys.shape[2])
+        else:
+            raise UnsupportedCacheError(f"layer {i}: cannot store {type(layer).__name__}")
+    return cache
+
+
+def _blocks_of(restored: list[Any], n_blocks: int, block_size: int) -> list[BlockState]:
+    """Blocks ``0..n_blocks-1`` of a cache oMLX rebuilt from its stored blocks.
+
+    Recurrent layers are restored at the last block only, so earlier blocks carry an
+    empty snapshot there (enough to rebuild the cache, never stored again).
+    """
+    if n_blocks == 0:
+        return []
+    if not any(isinstance(layer, ArraysCache) for layer in restored):
+        return blocks_from_cache(restored, 0, n_blocks, block_size)
+    blocks = []
+    for index in range(n_blocks):
+        start, end = index * block_size, (index + 1) * block_size
+        layers: list[LayerBlock] = []
+        for layer in restored:
+            if isinstance(layer, ArraysCache):
+                arrays = tuple(layer.cache) if index == n_blocks - 1 else ()
+                layers.append(RecurrentSnapshot(arrays))
+            else:
+                layers.append(KVBlock(layer.keys[..., start:end, :], layer.values[..., start:end, :]))
+        blocks.append(BlockState(index, tuple(layers)))
+    return blocks
+
+
+class OmlxEngine:
+    """:class:`~mlx_recovery_plugin.ports.EnginePort` over one oMLX scheduler.
+
+    ``queues_empty`` also counts requests that reached the engine's front door
+    (``EngineCore.add_request``) but not yet its scheduler: those wait on the engine
+    thread behind whatever step is running, and a recovery slice must already yield to
+    them. ``pending_arrivals`` is that count, kept by the instrumentor.
+    """
+
+    def __init__(self, scheduler: Any, engine_id: str, pending_arrivals: Any = None) -> None:
+        self._scheduler = weakref.ref(scheduler)
+        self._engine_id = engine_id
+        self._model_id = model_id_of(scheduler)
+        self._model = OmlxModel(scheduler, self._model_id)
+        self._prefix_cache = OmlxPrefixCache(scheduler, engine_id)
+        self._prefill_step = int(scheduler.config.prefill_step_size)
+        self._pending_arrivals = pending_arrivals or (lambda: 0)
+        #: Set by the instrumentor while a real ``step()`` runs.
+        self.stepping = False
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def block_size(self) -> int:
+        return self._prefix_cache.block_size
+
+    @property
+    def prefill_step(self) -> int:
+        return self._prefill_step
+
+    @property
+    def model(self) -> OmlxModel:
+        return self._model
+
+    @property
+    def prefix_cache(self) -> OmlxPrefixCache:
+        return self._prefix_cache
+
+    @property
+    def scheduler(self) -> Any:
+        """The live scheduler, or None once oMLX dropped it."""
+        return self._scheduler()
+
+    def queues_empty(self) -> bool:
+        scheduler = self._scheduler()
+        if scheduler is None:
+            return True
+        if self._pending_arrivals() > 0:
+            return False
+        return not (scheduler.waiting or scheduler.prefilling or scheduler.running)
+
+    def is_busy(self) -> bool:
+        scheduler = self._scheduler()
+        if scheduler is None:
+            return False
+        return self.stepping or bool(scheduler.running or scheduler.prefilling)
+
+    def sparse_route_live(self) -> bool:
+        scheduler = self._scheduler()
+        return scheduler is not None and scheduler._specprefill_active_request_id is not None

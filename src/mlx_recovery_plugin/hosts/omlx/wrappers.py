@@ -1,0 +1,353 @@
+"""The wrappers that replace oMLX methods while the adapter is attached.
+
+Each factory takes the :class:`~.lifecycle.Lifecycle` and the original function and
+returns a function with the same call signature that runs the original unchanged and
+tells the lifecycle what happened. The original's exceptions pass through untouched; the
+adapter's own faults are logged by ``Lifecycle.safe``. :data:`FACTORIES` lists them by
+``(class name, method name)``.
+
+Which hook each method becomes, and on which thread, is tabled in :mod:`.instrumentor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...events import DepartureReason
+from .lifecycle import Lifecycle, tokens_of_prompt, tokens_of_request
+
+Fn = Callable[..., Any]
+#: ``(lifecycle, original, originals by "Class.method") -> wrapper``
+Factory = Callable[[Lifecycle, Fn, Mapping[str, Fn]], Fn]
+
+FAILED_ALL_ERROR = "oMLX failed every request after a step raised"
+
+
+# -- Scheduler (every method runs on the engine thread) -----------------------------------
+
+
+def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def add_request(scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.safe(life.engine, scheduler)
+        rid = getattr(request, "request_id", None)
+        reported = False
+        if record is not None and rid is not None:
+            reported = bool(life.safe(life.arrive, record, rid, tokens_of_request(request), False))
+        try:
+            result = original(scheduler, request, *args, **kwargs)
+        except BaseException:
+            if reported:
+                life.safe(life.depart, record, rid, DepartureReason.FAILED)
+            raise
+        if record is not None and rid is not None:
+            life.safe(life.arrive, record, rid, (), True)
+        return result
+
+    return add_request
+
+
+def scheduler_has_requests(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """Also "yes" while an idle step is wanted: oMLX's engine loop then calls ``step()``.
+    Runs on the event-loop thread, every millisecond of an idle engine: reads only."""
+
+    def has_requests(scheduler: Any) -> bool:
+        if original(scheduler):
+            return True
+        record = life.get(scheduler)
+        if record is None:
+            return False
+        try:
+            return record.aborted_all_pending or record.driver.wants_step()
+        except Exception:  # noqa: BLE001
+            return False
+
+    return has_requests
+
+
+def scheduler_step(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    host_has_requests = originals["Scheduler.has_requests"]
+    host_module = sys.modules[original.__module__]
+    output_type = host_module.SchedulerOutput  # what an idle step returns
+    buffer_lock = getattr(host_module, "_mx_buffer_access_lock", None)
+
+    def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        if record is None:
+            return original(scheduler, *args, **kwargs)
+        life.safe(life.deliver_notices, record)
+        real_work = bool(scheduler.waiting or scheduler.prefilling or scheduler.running)
+        # An idle step only where oMLX itself would not step at all (its deferred cache
+        # clears and queued aborts are real steps).
+        if real_work or scheduler._pending_abort_ids or host_has_requests(scheduler):
+            record.port.stepping = True
+            try:
+                output = original(scheduler, *args, **kwargs)
+            except Exception as exc:
+                record.last_step_error = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                record.port.stepping = False
+            life.safe(life.after_step, record, scheduler, real_work)
+            return output
+        if life.safe(life.idle_now, record, scheduler):
+            record.driver.run_idle_step(
+                record.engine_id,
+                getattr(scheduler, "_stream", None),
+                lambda event: life.emit("engine_idle_step", event=event),
+                guard=buffer_lock,
+            )
+        return output_type()
+
+    return step
+
+
+def scheduler_schedule_waiting(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def _schedule_waiting(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        before = [r.request_id for r in scheduler.waiting] if record is not None else []
+        result = original(scheduler, *args, **kwargs)
+        if record is not None:
+            life.safe(life.admitted, record, scheduler, before)
+        return result
+
+    return _schedule_waiting
+
+
+def scheduler_cleanup_finished(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def _cleanup_finished(scheduler: Any, finished_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        ids = list(finished_ids or ())
+        served = []
+        if record is not None:
+            for rid in ids:
+                event = life.safe(life.sparse_served, record, scheduler, rid)
+                if event is not None:
+                    served.append(event)
+        result = original(scheduler, finished_ids, *args, **kwargs)
+        if record is not None:
+            for event in served:
+                life.emit("sparse_route_served", event=event)
+            for rid in ids:
+                life.safe(life.depart, record, rid, DepartureReason.FINISHED)
+        return result
+
+    return _cleanup_finished
+
+
+def scheduler_do_abort_request(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """Where a queued ``abort_request`` is applied (inside ``step()``, or by ``reset()``)."""
+
+    def _do_abort_request(scheduler: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        served = life.safe(life.sparse_served, record, scheduler, request_id) if record else None
+        aborted = original(scheduler, request_id, *args, **kwargs)
+        if record is not None and aborted:
+            if served is not None:
+                life.emit("sparse_route_served", event=served)
+            life.emit("request_aborted", engine_id=record.engine_id, request_id=request_id)
+            life.safe(life.depart, record, request_id, DepartureReason.ABORTED)
+        return aborted
+
+    return _do_abort_request
+
+
+def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def fail_all_requests(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        failed = original(scheduler, *args, **kwargs)
+        record = life.get(scheduler)
+        if record is not None:
+            error, record.last_step_error = record.last_step_error or FAILED_ALL_ERROR, None
+            life.emit("engine_failed_all", engine_id=record.engine_id, error=error)
+            for rid in list(failed or ()):
+                life.safe(life.depart, record, rid, DepartureReason.FAILED)
+            life.safe(life.sweep, record, scheduler, DepartureReason.FAILED)
+        return failed
+
+    return fail_all_requests
+
+
+def scheduler_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """Reported before oMLX clears its prefix cache, so plugins give their blocks back
+    while the blocks still exist."""
+
+    def reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        if record is not None and not getattr(life.local, "deep_reset", False):
+            life.emit("engine_reset", engine_id=record.engine_id, deep=False)
+        result = original(scheduler, *args, **kwargs)
+        if record is not None:
+            life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
+        return result
+
+    return reset
+
+
+def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def deep_reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        if record is not None:
+            life.emit("engine_reset", engine_id=record.engine_id, deep=True)
+        life.local.deep_reset = True
+        try:
+            return original(scheduler, *args, **kwargs)
+        finally:
+            life.local.deep_reset = False
+            if record is not None:
+                record.driver.stop()  # no model and no cache any more: no idle steps
+
+    return deep_reset
+
+
+def scheduler_shutdown(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def shutdown(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        if record is not None and life.safe(life.detach, record):
+            life.emit("engine_shutdown", engine_id=record.engine_id)
+        return original(scheduler, *args, **kwargs)
+
+    return shutdown
+
+
+def scheduler_recover_from_cache_error(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """oMLX clears its prefix cache after a corrupted step: a reset, for the plugins."""
+
+    def _recover_from_cache_error(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        record = life.get(scheduler)
+        if record is not None:
+            life.emit("engine_reset", engine_id=record.engine_id, deep=False)
+        return original(scheduler, *args, **kwargs)
+
+    return _recover_from_cache_error
+
+
+# -- EngineCore (the event-loop thread, and the thread that builds or closes it) -----------
+
+
+def engine_init(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
+        original(engine, *args, **kwargs)
+        life.safe(_engine_built, life, engine)
+
+    return __init__
+
+
+def _engine_built(life: Lifecycle, engine: Any) -> None:
+    life.name_engine(engine.scheduler, engine.engine_id)
+    life.engine(engine.scheduler)
+
+
+def engine_add_request(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """Reports the arrival before the request queues for the engine thread, which may be
+    busy with a step or an idle slice that must yield to it."""
+    signature = inspect.signature(original)
+
+    async def add_request(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduler = getattr(engine, "scheduler", None)
+        try:
+            bound = signature.bind(engine, *args, **kwargs)
+        except TypeError:
+            bound = None  # oMLX reports the bad call itself
+        if bound is None or scheduler is None:
+            return await original(engine, *args, **kwargs)
+        if bound.arguments.get("request_id") is None:
+            # EngineCore would make this same kind of id itself, a moment later.
+            bound.arguments["request_id"] = str(uuid.uuid4())
+        rid = bound.arguments["request_id"]
+        record = life.safe(life.engine, scheduler)
+        reported = False
+        if record is not None:
+            tokens = tokens_of_prompt(bound.arguments.get("prompt"))
+            reported = bool(life.safe(life.arrive, record, rid, tokens, False))
+            with record.lock:
+                record.pending_arrivals += 1
+        try:
+            return await original(*bound.args, **bound.kwargs)
+        except BaseException as exc:
+            if reported and rid not in getattr(scheduler, "requests", {}):
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                reason = DepartureReason.ABORTED if cancelled else DepartureReason.FAILED
+                life.safe(life.depart, record, rid, reason)
+            raise
+        finally:
+            if record is not None:
+                with record.lock:
+                    record.pending_arrivals -= 1
+
+    return add_request
+
+
+def engine_abort_all_requests(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    async def abort_all_requests(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(engine, *args, **kwargs)
+        scheduler = getattr(engine, "scheduler", None)
+        record = life.get(scheduler) if scheduler is not None else None
+        if record is not None:
+            # Reported on the engine thread at its next step (has_requests says yes).
+            record.aborted_all_pending = True
+        return result
+
+    return abort_all_requests
+
+
+def engine_start(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    async def start(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(engine, *args, **kwargs)
+        scheduler = getattr(engine, "scheduler", None)
+        if scheduler is not None:
+            life.safe(life.engine, scheduler)  # re-attaches an engine started again
+        return result
+
+    return start
+
+
+def engine_stop(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    async def stop(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduler = getattr(engine, "scheduler", None)
+        record = life.get(scheduler) if scheduler is not None else None
+        if record is not None and life.safe(life.detach, record):
+            life.emit("engine_shutdown", engine_id=record.engine_id)
+        return await original(engine, *args, **kwargs)
+
+    return stop
+
+
+def engine_close(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """``EnginePool`` unloads reach here through ``BatchedEngine.stop``."""
+
+    def close(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduler = getattr(engine, "scheduler", None)
+        record = life.get(scheduler) if scheduler is not None else None
+        if record is not None and not getattr(engine, "_closed", False):
+            # oMLX stops an engine before closing it; a bare close() reports both too.
+            if life.safe(life.detach, record):
+                life.emit("engine_shutdown", engine_id=record.engine_id)
+            life.emit("model_unloaded", engine_id=record.engine_id, model_id=record.port.model_id)
+        return original(engine, *args, **kwargs)
+
+    return close
+
+
+FACTORIES: dict[tuple[str, str], Factory] = {
+    ("Scheduler", "add_request"): scheduler_add_request,
+    ("Scheduler", "has_requests"): scheduler_has_requests,
+    ("Scheduler", "step"): scheduler_step,
+    ("Scheduler", "_schedule_waiting"): scheduler_schedule_waiting,
+    ("Scheduler", "_cleanup_finished"): scheduler_cleanup_finished,
+    ("Scheduler", "_do_abort_request"): scheduler_do_abort_request,
+    ("Scheduler", "fail_all_requests"): scheduler_fail_all_requests,
+    ("Scheduler", "reset"): scheduler_reset,
+    ("Scheduler", "deep_reset"): scheduler_deep_reset,
+    ("Scheduler", "shutdown"): scheduler_shutdown,
+    ("Scheduler", "_recover_from_cache_error"): scheduler_recover_from_cache_error,
+    ("EngineCore", "__init__"): engine_init,
+    ("EngineCore", "add_request"): engine_add_request,
+    ("EngineCore", "abort_all_requests"): engine_abort_all_requests,
+    ("EngineCore", "start"): engine_start,
+    ("EngineCore", "stop"): engine_stop,
+    ("EngineCore", "close"): engine_close,
+}

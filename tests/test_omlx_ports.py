@@ -1,0 +1,203 @@
+"""The host ports over a real oMLX scheduler: fetch, release and store through oMLX's own
+prefix cache, with every reference given back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+omlx = pytest.importorskip(
+    "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
+)
+
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from mlx_recovery_plugin.hosts.omlx.ports import OmlxEngine, model_id_of  # noqa: E402
+from mlx_recovery_plugin.hosts.omlx.session import (  # noqa: E402
+    OmlxServeConfig,
+    held_references,
+    make_request,
+    make_scheduler,
+    serve,
+    wait_for_cache_writes,
+)
+from mlx_recovery_plugin.ports import EnginePort, ModelHandle, PrefixCachePort  # noqa: E402
+from mlx_recovery_plugin.state import BlockState, KVBlock, blocks_from_cache  # noqa: E402
+from mlx_recovery_plugin.testing.contract import contract_tokens  # noqa: E402
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
+
+BLOCK = 64
+CONFIG = OmlxServeConfig(model_id="tiny", block_size=BLOCK, prefill_step=128, max_cache_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir: Path) -> tuple[Any, Any]:
+    return load_tiny_model(tiny_llama_dir)
+
+
+@pytest.fixture
+def scheduler(models: tuple[Any, Any], tmp_path: Path) -> Iterator[Any]:
+    model, tokenizer = models
+    sched = make_scheduler(model, tokenizer, tmp_path / "cache", CONFIG)
+    yield sched
+    sched.shutdown()
+
+
+@pytest.fixture
+def engine(scheduler: Any) -> OmlxEngine:
+    return OmlxEngine(scheduler, "engine-under-test")
+
+
+def dense_blocks(model: Any, tokens: list[int], n_blocks: int) -> list[BlockState]:
+    """Blocks 0..n-1 of a plain mlx-lm prefill of ``tokens``."""
+    cache = make_prompt_cache(model)
+    end = n_blocks * BLOCK
+    for start in range(0, end, 96):
+        model(mx.array(tokens[start : min(start + 96, end)])[None], cache=cache)
+    mx.eval([layer.keys for layer in cache])
+    return blocks_from_cache(cache, 0, n_blocks, BLOCK, origin="recovery")
+
+
+def test_ports_satisfy_the_host_protocols(engine: OmlxEngine) -> None:
+    assert isinstance(engine, EnginePort)
+    assert isinstance(engine.prefix_cache, PrefixCachePort)
+    assert isinstance(engine.model, ModelHandle)
+    assert (engine.model_id, engine.block_size, engine.prefill_step) == ("tiny", BLOCK, 128)
+    assert engine.queues_empty() and not engine.is_busy() and not engine.sparse_route_live()
+
+
+def test_stored_blocks_come_back_through_fetch_with_the_same_keys_and_values(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
+) -> None:
+    tokens = contract_tokens(3 * BLOCK + 20, seed=1)
+    blocks = dense_blocks(models[0], tokens, 3)
+    assert engine.prefix_cache.store("job", tokens, blocks) == 3 * BLOCK
+    assert held_references(scheduler) == {}
+
+    fetched = engine.prefix_cache.fetch("probe", tokens)
+    try:
+        assert fetched.tokens == 3 * BLOCK
+        assert [b.index for b in fetched.blocks] == [0, 1, 2]
+        for got, want in zip(fetched.blocks, blocks):
+            for got_layer, want_layer in zip(got.layers, want.layers):
+                assert isinstance(got_layer, KVBlock) and isinstance(want_layer, KVBlock)
+                assert mx.allclose(got_layer.keys, want_layer.keys).item()
+                assert mx.allclose(got_layer.values, want_layer.values).item()
+        assert held_references(scheduler)  # the probe holds its blocks until released
+    finally:
+        engine.prefix_cache.release("probe")
+    assert held_references(scheduler) == {}
+    assert engine.prefix_cache.holders() == []
+
+
+def test_tail_blocks_are_refused_until_the_blocks_before_them_are_stored(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
+) -> None:
+    tokens = contract_tokens(4 * BLOCK, seed=2)
+    blocks = dense_blocks(models[0], tokens, 4)
+    assert engine.prefix_cache.store("job", tokens, blocks[2:]) == 0
+    assert engine.prefix_cache.stored_tokens(tokens) == 0
+
+    assert engine.prefix_cache.store("job", tokens[: 2 * BLOCK], blocks[:2]) == 2 * BLOCK
+    assert engine.prefix_cache.store("job", tokens, blocks[2:]) == 4 * BLOCK
+    assert engine.prefix_cache.stored_tokens(tokens) == 4 * BLOCK
+    assert held_references(scheduler) == {}
+
+
+def test_store_floors_to_whole_blocks_and_rejects_misnumbered_blocks(
+    engine: OmlxEngine, models: tuple[Any, Any]
+) -> None:
+    tokens = contract_tokens(2 * BLOCK + 30, seed=3)
+    blocks = dense_blocks(models[0], tokens, 2)
+    with pytest.raises(ValueError):
+        engine.prefix_cache.store("job", tokens, blocks[1:] + blocks[:1])
+    assert engine.prefix_cache.store("job", tokens, blocks) == 2 * BLOCK
+
+
+def test_a_request_after_a_port_store_restores_it_and_generates_like_a_cold_run(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any], tmp_path: Path
+) -> None:
+    model, tokenizer = models
+    prompt = contract_tokens(5 * BLOCK + 17, seed=4)
+    cold_scheduler = make_scheduler(model, tokenizer, tmp_path / "cold", CONFIG)
+    try:
+        cold = serve(cold_scheduler, make_request("cold", prompt, max_tokens=8, sparse=False))
+        wait_for_cache_writes(cold_scheduler)
+    finally:
+        cold_scheduler.shutdown()
+
+    assert engine.prefix_cache.store("job", prompt, dense_blocks(model, prompt, 5)) == 5 * BLOCK
+    warm = serve(scheduler, make_request("warm", prompt, max_tokens=8, sparse=False))
+    wait_for_cache_writes(scheduler)
+
+    assert cold.row.cached_tokens == 0
+    assert warm.row.cached_tokens == 5 * BLOCK
+    assert warm.output_tokens == cold.output_tokens
+    assert held_references(scheduler) == {}
+
+
+def test_release_gives_back_every_fetch_of_a_holder_and_is_idempotent(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
+) -> None:
+    tokens = contract_tokens(2 * BLOCK, seed=5)
+    engine.prefix_cache.store("job", tokens, dense_blocks(models[0], tokens, 2))
+    engine.prefix_cache.fetch("holder", tokens)
+    engine.prefix_cache.fetch("holder", tokens[:BLOCK])
+    assert set(held_references(scheduler).values()) == {1, 2}
+    engine.prefix_cache.release("holder")
+    engine.prefix_cache.release("holder")
+    assert held_references(scheduler) == {}
+    assert not [t for t in scheduler.block_aware_cache.paged_cache.request_tables if "holder" in t]
+
+
+def test_a_release_after_a_reset_leaves_the_new_cache_alone(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
+) -> None:
+    tokens = contract_tokens(2 * BLOCK, seed=6)
+    blocks = dense_blocks(models[0], tokens, 2)
+    engine.prefix_cache.store("job", tokens, blocks)
+    engine.prefix_cache.fetch("old", tokens)
+    scheduler.reset()  # oMLX clears its prefix cache: block ids start over
+
+    engine.prefix_cache.store("job", tokens, blocks)
+    engine.prefix_cache.fetch("new", tokens)
+    held = held_references(scheduler)
+    engine.prefix_cache.release("old")
+    assert held_references(scheduler) == held
+    engine.prefix_cache.release("new")
+    assert held_references(scheduler) == {}
+
+
+def test_without_the_oMLX_prefix_cache_fetch_and_store_do_nothing(
+    models: tuple[Any, Any], tmp_path: Path
+) -> None:
+    from omlx.scheduler import Scheduler, SchedulerConfig
+
+    model, tokenizer = models
+    bare = Scheduler(model, tokenizer, SchedulerConfig(model_name="/models/org/tiny-1B/"))
+    engine = OmlxEngine(bare, "no-cache")
+    tokens = contract_tokens(2 * BLOCK, seed=7)
+    assert engine.model_id == model_id_of(bare) == "tiny-1B"
+    assert not engine.prefix_cache.enabled
+    assert engine.prefix_cache.fetch("probe", tokens).tokens == 0
+    assert engine.prefix_cache.store("job", tokens, dense_blocks(model, tokens, 2)) == 0
+    engine.prefix_cache.release("probe")
+
+
+def test_ports_hold_the_scheduler_weakly(models: tuple[Any, Any], tmp_path: Path) -> None:
+    import gc
+
+    model, tokenizer = models
+    sched = make_scheduler(model, tokenizer, tmp_path / "weak", CONFIG)
+    engine = OmlxEngine(sched, "weak")
+    sched.shutdown()
+    del sched
+    gc.collect()
+    assert engine.scheduler is None
+    assert engine.queues_empty() and not engine.is_busy()
+    assert engine.prefix_cache.fetch("probe", [1, 2, 3]).tokens == 0
+    assert engine.model.model is None
