@@ -315,3 +315,32 @@ def run_omlx_session(
             if errors:
                 raise errors[0]
         return {session.arm: session.result for session in sessions}
+
+
+def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
+    """``mlx-recovery demo --host omlx``: the demo's session and report, on real oMLX."""
+    from ...demo.report import DemoReport
+    from ...demo.run import _encoder, prepare_models
+    from ...demo.session import build_session
+    from ...runner.blas import describe
+
+    say = progress or (lambda line: None)
+    models = prepare_models(demo_config)
+    turns = build_session(demo_config.session, _encoder(models.tokenizer))
+    config = config_from_demo(demo_config.serve, demo_config.session.think_time_s)
+    report = DemoReport(
+        model=demo_config.model_path or demo_config.serve.model_id,
+        host="omlx",
+        blas=describe(),
+        block_size=config.block_size,
+        sparse_threshold=config.sparse_threshold,
+        think_time_s=config.think_time_s,
+        budget_pct=config.budget_pct,
+    )
+    for repeat in range(demo_config.repeats):
+        say(f"[{repeat + 1}/{demo_config.repeats}] serving {len(turns)} turns on the oMLX scheduler, three arms")
+        results = run_omlx_session(
+            models.model, models.tokenizer, models.draft, [t.prompt for t in turns], config=config
+        )
+        report.repeats.append(results)
+    return report
