@@ -135,7 +135,9 @@ def same_state(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
             return False
         for p, q in zip(x, y):
             if isinstance(p, mx.array):
-                if not (isinstance(q, mx.array) and p.shape == q.shape and mx.array_equal(p, q).item()):
+                if not isinstance(q, mx.array) or p.shape != q.shape:
+                    return False
+                if not mx.array_equal(p, q).item():
                     return False
             elif p != q:
                 return False
@@ -303,7 +305,8 @@ def test_a_slice_stops_within_one_layer_of_the_signal(models: dict[str, LoadedMo
     runner = SliceRunner(handle, BLOCK)
     live = runner.begin(tokens(512))
     out = runner.advance(live, 512, stop_after(1))
-    # Checked once per layer: the second check (before layer 2) saw the signal.
+    # Checked before each layer: the check before the second layer saw the signal and
+    # the slice stopped there.
     assert out.interrupted and out.stop_checks == 2
 
 

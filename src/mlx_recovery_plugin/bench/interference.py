@@ -19,7 +19,7 @@ from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
-from ..testing.tiny_model import TinyModelSpec
+from ..testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
 from .stats import Spread, spread
 
 MODEL_ID = "bench-interference"
@@ -109,11 +109,10 @@ def run_interference_bench(
     models: Any = None,
     progress: Any = print,
 ) -> list[InterferenceRow]:
-    from ..demo.run import DemoConfig, prepare_models
-
     if models is None:
-        loaded = prepare_models(DemoConfig(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT))
-        models = (loaded.model, loaded.tokenizer, loaded.draft)
+        model, tokenizer = load_tiny_model(cached_model_dir(DEFAULT_TARGET))
+        draft, _ = load_tiny_model(cached_model_dir(DEFAULT_DRAFT))
+        models = (model, tokenizer, draft)
     rng = random.Random(seed)
     configs = [(s, i) for s in slice_sizes for i in (True, False)]
     waits: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
@@ -139,6 +138,12 @@ def format_rows(rows: list[InterferenceRow]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if not args.no_openblas:
+        import sys
+
+        from ..runner.blas import reexec_with_openblas
+
+        reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
     rows = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
     print(format_rows(rows))
     return 0
@@ -150,4 +155,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--context", type=int, default=8192, help="tokens of the recovered prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
     p.set_defaults(func=_run)

@@ -23,3 +23,11 @@ def spread(samples: Sequence[float]) -> Spread:
     if not samples:
         raise ValueError("no samples")
     return Spread(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def describe(samples: Sequence[float], fmt: str = "{:.3f}") -> str:
+    """``median M [min A, max B]``, or ``n/a`` with no samples."""
+    if not samples:
+        return "n/a"
+    s = spread(samples)
+    return f"median {fmt.format(s.median)} [min {fmt.format(s.low)}, max {fmt.format(s.high)}]"

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 from ..testing.tiny_model import TinyModelSpec
 from .session import SessionSpec
-
-REEXEC_GUARD = "MLX_RECOVERY_DEMO_REEXEC"
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -29,6 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1, help="serve the session this many times (spread of ratios)")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
     p.add_argument("--think-time", type=float, default=30.0, help="idle seconds between turns (simulated; default 30)")
+    p.add_argument(
+        "--sparse-threshold", type=int, default=None,
+        help="uncached tokens above which a turn takes the sparse route (default 512: every turn's append qualifies)",
+    )
     p.add_argument("--slice-tokens", type=int, default=None, help="tokens per recovery slice (default: the prefill step)")
     p.add_argument("--quick", action="store_true", help="a small model and a short session (a smoke run)")
     p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
@@ -37,17 +37,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _maybe_reexec_with_openblas(args: argparse.Namespace) -> None:
     """Float32 prefill is 15-20x faster on the system OpenBLAS than on MLX's bundled one."""
-    if args.no_openblas or os.environ.get(REEXEC_GUARD):
+    if args.no_openblas:
         return
-    from ..runner.blas import detect, openblas_preload_path, preload_env
+    from ..runner.blas import reexec_with_openblas
 
-    path = openblas_preload_path()
-    if path is None or not detect().slow_for_float32:
-        return
-    env = preload_env(path)
-    env[REEXEC_GUARD] = "1"
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "mlx_recovery_plugin.cli", *sys.argv[1:]], env)
+    reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -72,6 +66,8 @@ def _run(args: argparse.Namespace) -> int:
         config.serve = dataclasses.replace(config.serve, model_id="tiny-llama-128x2", block_size=64, prefill_step=128, sparse_threshold=256)
     if args.model:
         config.serve = dataclasses.replace(config.serve, model_id=args.model)
+    if args.sparse_threshold is not None:
+        config.serve = dataclasses.replace(config.serve, sparse_threshold=args.sparse_threshold)
     if args.host == "omlx":
         from ..hosts.omlx.session import run_omlx_demo  # noqa: PLC0415 - needs oMLX installed
 

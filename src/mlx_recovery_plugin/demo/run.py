@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from ..testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
+from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, TinyModelSpec, cached_model_dir, load_tiny_model
 from .arms import ArmSession, Models, ServeConfig
 from .report import ARM_TITLES, ARMS, DemoReport
 from .session import SessionSpec, build_session
 
-# The embedded default: a float32 target big enough for prefill to dominate, and a draft
-# that scores a token for about a tenth of the target's cost.
-DEFAULT_TARGET = TinyModelSpec(
-    arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-    intermediate_size=1408, seed=11,
-)
-DEFAULT_DRAFT = TinyModelSpec(
-    arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-    intermediate_size=256, seed=12,
-)
+DEFAULT_TARGET = BENCH_TARGET
+DEFAULT_DRAFT = BENCH_DRAFT
 
 
 @dataclass(slots=True)
@@ -39,30 +27,14 @@ class DemoConfig:
     host: str = "mock"
 
 
-def model_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-recovery" / "models"
-
-
-def _spec_dir(spec: TinyModelSpec) -> Path:
-    digest = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return model_cache_dir() / f"{spec.arch}-{spec.hidden_size}x{spec.num_layers}-{digest}"
-
-
 def prepare_models(config: DemoConfig) -> Models:
     """Load the target and draft: given directories, or tiny ones written once to the cache."""
     if config.model_path:
         model, tokenizer = load_tiny_model(config.model_path)
         draft = load_tiny_model(config.draft_path)[0] if config.draft_path else model
         return Models(model, tokenizer, draft)
-    paths = []
-    for spec in (config.target, config.draft):
-        path = _spec_dir(spec)
-        if not (path / "model.safetensors").exists():
-            write_tiny_model(path, spec)
-        paths.append(path)
-    model, tokenizer = load_tiny_model(paths[0])
-    draft, _ = load_tiny_model(paths[1])
+    model, tokenizer = load_tiny_model(cached_model_dir(config.target))
+    draft, _ = load_tiny_model(cached_model_dir(config.draft))
     return Models(model, tokenizer, draft)
 
 

@@ -20,8 +20,6 @@ bench under it when MLX uses its bundled reference BLAS.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,12 +29,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..bench.stats import describe as describe_samples
 from ..plugins import make_plugin_manager
 from ..runner import blas
 from ..runner.bench import _Handle, _plain_prefill, bench_tokens, load_bench_model
 from ..settings import RecoverySettings
 from ..testing.host import MockHost
-from ..testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
+from ..testing.tiny_model import BENCH_DRAFT, cached_model_dir, load_tiny_model
 from .plugin import RecoveryPlugin
 
 MODEL_ID = "bench"
@@ -85,8 +84,8 @@ class BudgetBenchResult:
             r = self.rate
             lines.append(
                 f"rate ({r.tokens} tokens, {r.slice_tokens}-token slices): recovered "
-                f"{_spread(r.recovered_tps, '{:.0f}')} tok/idle-s, plain prefill "
-                f"{_spread(r.plain_tps, '{:.0f}')} tok/s, ratio {_spread(r.ratios, '{:.3f}')}"
+                f"{describe_samples(r.recovered_tps, '{:.0f}')} tok/idle-s, plain prefill "
+                f"{describe_samples(r.plain_tps, '{:.0f}')} tok/s, ratio {describe_samples(r.ratios, '{:.3f}')}"
             )
         if self.budget is not None:
             b = self.budget
@@ -101,21 +100,8 @@ class BudgetBenchResult:
         return "\n".join(lines)
 
 
-def _spread(values: Sequence[float], fmt: str) -> str:
-    if not values:
-        return "n/a"
-    return (
-        f"median {fmt.format(statistics.median(values))} "
-        f"[min {fmt.format(min(values))}, max {fmt.format(max(values))}]"
-    )
-
-
 def _draft_model() -> Any:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    path = root / "mlx-recovery-plugin" / "bench-draft-h64-l1"
-    if not (path / "model.safetensors").exists():
-        write_tiny_model(path, TinyModelSpec(arch="llama", num_layers=1, seed=7))
-    return load_tiny_model(path)[0]
+    return load_tiny_model(cached_model_dir(BENCH_DRAFT))[0]
 
 
 def _settings(pct: float, window_s: float, slice_tokens: int, max_jobs: int = 4) -> RecoverySettings:
@@ -277,14 +263,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if args.preload == "auto" and blas.detect().slow_for_float32:
-        path = blas.openblas_preload_path()
-        if path is not None and "MLX_RECOVERY_BENCH_REEXEC" not in os.environ:
-            env = blas.preload_env(path)
-            env["MLX_RECOVERY_BENCH_REEXEC"] = "1"
-            argv = [sys.executable, "-m", "mlx_recovery_plugin.recovery.bench", *_argv_of(args)]
-            print(f"re-running with LD_PRELOAD={path}", flush=True)
-            os.execve(sys.executable, argv, env)
+    if args.preload == "auto":
+        blas.reexec_with_openblas("mlx_recovery_plugin.recovery.bench", _argv_of(args))
     result = run_budget_bench(
         args.model,
         pct=args.pct,

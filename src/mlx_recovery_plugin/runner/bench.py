@@ -18,7 +18,6 @@ system OpenBLAS preloaded; by default the bench re-executes itself with it when 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,12 +28,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..bench.stats import describe as describe_samples
 from ..ports import FetchedPrefix
 from ..state import BlockState, cache_arrays
 from . import blas
 from .runner import SliceRunner
 
-BENCH_SPEC_NAME = "bench-llama-h512-l8"
 
 
 @dataclass(slots=True)
@@ -80,9 +79,9 @@ class RunnerBenchResult:
         lines = [
             f"model {self.model}, {self.tokens} tokens, {self.slice_tokens}-token slices, "
             f"{self.block_size}-token blocks; BLAS: {self.blas}",
-            f"plain mlx-lm : {_spread(self.plain_tps, '{:.0f}')} tokens/s",
-            f"runner       : {_spread(self.runner_tps, '{:.0f}')} tokens/s",
-            f"ratio        : {_spread(ratios, '{:.3f}')} (runner / plain, {len(ratios)} repeats)",
+            f"plain mlx-lm : {describe_samples(self.plain_tps, '{:.0f}')} tokens/s",
+            f"runner       : {describe_samples(self.runner_tps, '{:.0f}')} tokens/s",
+            f"ratio        : {describe_samples(ratios, '{:.3f}')} (runner / plain, {len(ratios)} repeats)",
             f"peak memory above start: plain {_med(self.plain_peak_extra) / mib:.1f} MiB, "
             f"runner {_med(self.runner_peak_extra) / mib:.1f} MiB; extra "
             f"{(_med(self.runner_peak_extra) - _med(self.plain_peak_extra)) / mib:.1f} MiB vs "
@@ -91,8 +90,8 @@ class RunnerBenchResult:
         ]
         if self.full_slice_s:
             lines.append(
-                f"arrival wait : interruptible {_spread(self.wait_interruptible_s, '{:.3f}')} s, "
-                f"whole slices {_spread(self.wait_whole_slice_s, '{:.3f}')} s "
+                f"arrival wait : interruptible {describe_samples(self.wait_interruptible_s, '{:.3f}')} s, "
+                f"whole slices {describe_samples(self.wait_whole_slice_s, '{:.3f}')} s "
                 f"(one full slice {self.full_slice_s:.3f} s)"
             )
         return "\n".join(lines)
@@ -102,37 +101,12 @@ def _med(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _spread(values: Sequence[float], fmt: str) -> str:
-    if not values:
-        return "n/a"
-    return (
-        f"median {fmt.format(statistics.median(values))} "
-        f"[min {fmt.format(min(values))}, max {fmt.format(max(values))}]"
-    )
-
-
-def default_model_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "mlx-recovery-plugin" / BENCH_SPEC_NAME
-
-
 def load_bench_model(model_dir: Path | None) -> tuple[str, Any]:
     """The bench model: ``model_dir`` if given (any mlx-lm model), else the default."""
-    from ..testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
+    from ..testing.tiny_model import BENCH_TARGET, cached_model_dir, load_tiny_model
 
     if model_dir is None:
-        model_dir = default_model_dir()
-        if not (model_dir / "model.safetensors").exists():
-            spec = TinyModelSpec(
-                arch="llama",
-                hidden_size=512,
-                num_layers=8,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=1408,
-                seed=11,
-            )
-            write_tiny_model(model_dir, spec)
+        model_dir = cached_model_dir(BENCH_TARGET)
     model, _ = load_tiny_model(model_dir)
     return str(model_dir), model
 
@@ -258,13 +232,17 @@ def _arrival_waits(
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="mlx-lm model dir (default: a random float32 llama, hidden 512, 8 layers)")
-    parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
-    parser.add_argument("--slice", type=int, default=512, dest="slice_tokens", help="tokens per slice and per plain chunk (default 512)")
-    parser.add_argument("--block", type=int, default=256, dest="block_size", help="cache block size (default 256)")
-    parser.add_argument("--repeats", type=int, default=5, help="alternating repeats (default 5)")
-    parser.add_argument("--arrivals", type=int, default=5, help="arrival-wait samples per mode (0: skip)")
-    parser.add_argument("--no-interruptible", action="store_false", dest="interruptible", help="run the runner arm without stop checks")
+    add = parser.add_argument
+    add("--model", type=Path, default=None,
+        help="mlx-lm model dir (default: a random float32 llama, hidden 512, 8 layers)")
+    add("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
+    add("--slice", type=int, default=512, dest="slice_tokens",
+        help="tokens per slice and per plain chunk (default 512)")
+    add("--block", type=int, default=256, dest="block_size", help="cache block size (default 256)")
+    add("--repeats", type=int, default=5, help="alternating repeats (default 5)")
+    add("--arrivals", type=int, default=5, help="arrival-wait samples per mode (0: skip)")
+    add("--no-interruptible", action="store_false", dest="interruptible",
+        help="run the runner arm without stop checks")
     parser.add_argument(
         "--preload",
         choices=("auto", "off"),
@@ -315,7 +293,9 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-recovery bench runner", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="mlx-recovery bench runner", description=(__doc__ or "").split("\n\n")[0]
+    )
     _configure(parser)
     return handle_args(parser.parse_args(argv))
 

@@ -148,7 +148,8 @@ class SliceRunner:
         tokens = tuple(int(t) for t in tokens)
         blocks: Sequence[BlockState] = ()
         if prefix is not None and prefix.tokens:
-            if prefix.tokens % self.block_size or len(prefix.blocks) * self.block_size != prefix.tokens:
+            whole = len(prefix.blocks) * self.block_size
+            if prefix.tokens % self.block_size or whole != prefix.tokens:
                 raise ValueError(
                     f"prefix of {prefix.tokens} tokens with {len(prefix.blocks)} blocks is not "
                     f"a whole number of {self.block_size}-token blocks"

@@ -8,8 +8,10 @@ tokenizer files) is exercised exactly as for a model from a hub.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,18 @@ class TinyModelSpec:
             base["head_dim"] = self.hidden_size // self.num_heads
         base.update(dict(self.extra))
         return base
+
+
+# The demo's and benchmarks' default pair: a float32 target big enough for prefill to
+# dominate, and a draft that reads a token for about a tenth of the target's cost.
+BENCH_TARGET = TinyModelSpec(
+    arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+    intermediate_size=1408, seed=11,
+)
+BENCH_DRAFT = TinyModelSpec(
+    arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+    intermediate_size=256, seed=12,
+)
 
 
 def _byte_level_vocab() -> dict[str, int]:
@@ -123,6 +137,21 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) ->
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(path)
+    return path
+
+
+def model_cache_dir() -> Path:
+    """Where generated models are kept between runs: ``$XDG_CACHE_HOME/mlx-recovery/models``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-recovery" / "models"
+
+
+def cached_model_dir(spec: TinyModelSpec) -> Path:
+    """The directory of ``spec``'s model in the cache, written on first use."""
+    digest = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = model_cache_dir() / f"{spec.arch}-{spec.hidden_size}x{spec.num_layers}-{digest}"
+    if not (path / "model.safetensors").exists():
+        write_tiny_model(path, spec)
     return path
 
 
