@@ -71,3 +71,15 @@ def test_demo_command_writes_json_and_plot(toy_config: DemoConfig, tmp_path: Pat
     printed = capsys.readouterr()
     assert "cumulative foreground" in printed.out
     assert "turn 3" in printed.err  # progress went to stderr while it ran
+
+
+def test_demo_on_the_real_omlx_scheduler_reports_the_same_shape(toy_config: DemoConfig) -> None:
+    pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it")
+    from mlx_recovery_plugin.hosts.omlx.session import run_omlx_demo
+
+    report = run_omlx_demo(toy_config)
+    (run,) = report.repeats
+    assert set(run) == set(ARMS) and report.host == "omlx"
+    assert all(t.cached_tokens == 0 for t in run["sparse_on"].turns)
+    assert run["sparse_recovery"].turns[-1].cached_tokens > 0
+    assert "sparse on + recovery / sparse on" in format_table(report)

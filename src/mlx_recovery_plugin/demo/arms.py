@@ -62,6 +62,21 @@ class Models:
     draft: Any
 
 
+def arm_recovery_plugin(config: ServeConfig | Any, clock: Callable[[], float]) -> RecoveryPlugin:
+    """The recovery arm's plugin: the demo's budget, the model opted in, no control socket.
+    ``config`` is any record with the budget, window, slice and model id fields."""
+    return RecoveryPlugin(
+        settings=RecoverySettings(
+            budget_pct=config.budget_pct,
+            budget_window_s=config.budget_window_s,
+            slice_tokens=config.slice_tokens,
+            models={config.model_id: ModelSettings(enabled=True)},
+        ),
+        clock=clock,
+        control_socket=False,
+    )
+
+
 class ArmSession:
     """One arm: a host, an engine, and (for the recovery arm) the recovery plugin."""
 
@@ -72,16 +87,7 @@ class ArmSession:
         self.plugin: RecoveryPlugin | None = None
         plugins: list[object] = []
         if arm == "sparse_recovery":
-            self.plugin = RecoveryPlugin(
-                settings=RecoverySettings(
-                    budget_pct=config.budget_pct,
-                    budget_window_s=config.budget_window_s,
-                    slice_tokens=config.slice_tokens,
-                    models={config.model_id: ModelSettings(enabled=True)},
-                ),
-                clock=self.clock,
-                control_socket=False,
-            )
+            self.plugin = arm_recovery_plugin(config, self.clock)
             plugins.append(self.plugin)
         pm = make_plugin_manager(plugins, settings=RecoverySettings(), entry_points_too=False)
         self.host = MockHost(pm)

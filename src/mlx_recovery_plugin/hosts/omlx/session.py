@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...demo.arms import ServeConfig, VirtualClock
+from ...demo.arms import ServeConfig, VirtualClock, arm_recovery_plugin
 from ...demo.report import ArmResult, TurnResult
 from ...plugins import make_plugin_manager
 from ...recovery.plugin import RecoveryPlugin
-from ...settings import ModelSettings, RecoverySettings
+from ...settings import RecoverySettings
 from .instrumentor import OmlxInstrumentor
 
 ARMS = ("sparse_off", "sparse_on", "sparse_recovery")
@@ -213,16 +213,7 @@ class OmlxArm:
         self.plugin: RecoveryPlugin | None = None
         self.instrumentor: OmlxInstrumentor | None = None
         if arm == "sparse_recovery":
-            self.plugin = RecoveryPlugin(
-                settings=RecoverySettings(
-                    budget_pct=config.budget_pct,
-                    budget_window_s=config.budget_window_s,
-                    slice_tokens=config.slice_tokens,
-                    models={config.model_id: ModelSettings(enabled=True)},
-                ),
-                clock=self.clock,
-                control_socket=False,
-            )
+            self.plugin = arm_recovery_plugin(config, self.clock)
             pm = make_plugin_manager([self.plugin], settings=RecoverySettings(), entry_points_too=False)
             own = self.scheduler
             self.instrumentor = OmlxInstrumentor(clock=self.clock, accept=lambda s: s is own)
