@@ -1,0 +1,47 @@
+"""The command line's config view, and the host-author example run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_recovery_plugin.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("MLX_RECOVERY_"):
+            monkeypatch.delenv(name)
+
+
+def test_config_prints_each_value_with_its_source(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_PCT", "7.5")
+    assert main(["config", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["MLX_RECOVERY_BUDGET_PCT"] == {"value": 7.5, "source": "environment"}
+    assert shown["MLX_RECOVERY_IDLE_STEPS"] == {"value": 2, "source": "default"}
+
+
+def test_config_with_a_bad_value_exits_2_naming_the_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_IDLE_STEPS", "0")
+    assert main(["config"]) == 2
+    assert "MLX_RECOVERY_IDLE_STEPS" in capsys.readouterr().err
+
+
+def test_host_wiring_example_finds_the_plugins_through_entry_points_and_recovers(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("MLX_RECOVERY_")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "host_wiring.py")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "plugins loaded: ['adopter', 'recovery'] failed: {}" in done.stdout
+    assert "prefix now restorable: 384 of 400 tokens" in done.stdout
