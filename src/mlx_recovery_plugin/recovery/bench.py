@@ -11,9 +11,10 @@ hidden 512, 8 layers, unless ``--model`` is given):
 * **budget**: two engines sharing one process budget (10 % by default), each with more
   recovery work than the run can finish, the host's real threaded loop, for a fixed wall
   time; the share measured (slice seconds / wall seconds) against the cap. Slices are
-  charged after they run, so a window can overshoot by up to one slice.
+  charged after they run; each is fitted to the window's remaining allowance at the
+  measured rate, so only a first, unmeasured slice can overshoot a window.
 
-Float32 on Linux is 15-20x faster with the system OpenBLAS; ``--preload auto`` re-runs the
+Float32 on Linux is 15-20x faster with the system OpenBLAS; by default it re-runs the
 bench under it when MLX uses its bundled reference BLAS.
 """
 
@@ -248,8 +249,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of the rate run (default 3)")
     parser.add_argument("--skip", choices=("rate", "budget"), default=None, help="leave one measurement out")
     parser.add_argument(
-        "--preload", choices=("auto", "off"), default="auto",
-        help="auto: re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
+        "--no-openblas", action="store_true",
+        help="do not re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
     )
 
 
@@ -263,7 +264,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if args.preload == "auto":
+    if not args.no_openblas:
         blas.reexec_with_openblas("mlx_recovery_plugin.recovery.bench", _argv_of(args))
     result = run_budget_bench(
         args.model,
@@ -286,10 +287,12 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
     argv = [
         "--pct", str(args.pct), "--window", str(args.window_s), "--duration", str(args.duration_s),
         "--engines", str(args.engines), "--tokens", str(args.tokens), "--slice", str(args.slice_tokens),
-        "--block", str(args.block_size), "--repeats", str(args.repeats), "--preload", args.preload,
+        "--block", str(args.block_size), "--repeats", str(args.repeats),
     ]  # fmt: skip
     if args.model is not None:
         argv += ["--model", str(args.model)]
+    if args.no_openblas:
+        argv.append("--no-openblas")
     if args.skip is not None:
         argv += ["--skip", args.skip]
     return argv

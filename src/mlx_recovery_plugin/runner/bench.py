@@ -244,10 +244,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--no-interruptible", action="store_false", dest="interruptible",
         help="run the runner arm without stop checks")
     parser.add_argument(
-        "--preload",
-        choices=("auto", "off"),
-        default="auto",
-        help="auto: re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
+        "--no-openblas", action="store_true",
+        help="do not re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
     )
 
 
@@ -261,7 +259,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if args.preload == "auto":
+    if not args.no_openblas:
         blas.reexec_with_openblas("mlx_recovery_plugin.runner.bench", _argv_of(args))
     result = run_runner_bench(
         args.model,
@@ -283,10 +281,11 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         "--block", str(args.block_size),
         "--repeats", str(args.repeats),
         "--arrivals", str(args.arrivals),
-        "--preload", args.preload,
     ]  # fmt: skip
     if args.model is not None:
         argv += ["--model", str(args.model)]
+    if args.no_openblas:
+        argv.append("--no-openblas")
     if not args.interruptible:
         argv.append("--no-interruptible")
     return argv
