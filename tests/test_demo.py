@@ -83,3 +83,16 @@ def test_demo_on_the_real_omlx_scheduler_reports_the_same_shape(toy_config: Demo
     assert all(t.cached_tokens == 0 for t in run["sparse_on"].turns)
     assert run["sparse_recovery"].turns[-1].cached_tokens > 0
     assert "sparse on + recovery / sparse on" in format_table(report)
+
+
+def test_table_shows_per_turn_medians_over_repeats() -> None:
+    from mlx_recovery_plugin.demo.report import ArmResult, DemoReport, TurnResult
+
+    report = DemoReport("m", "mock", "blas", 64, 128, 1.0, 50.0)
+    for cached, ttft in ((128, 1.0), (64, 3.0), (128, 2.0)):
+        report.repeats.append(
+            {arm: ArmResult(arm, [TurnResult(0, 200, cached, ttft, 200 - cached, "sparse")]) for arm in ARMS}
+        )
+    row = report.median_turn("sparse_recovery", 0)
+    assert (row.cached_tokens, row.ttft_s, row.debt_tokens) == (128, 2.0, 72)
+    assert report.ratio("sparse_recovery", "sparse_off") == (1.0, 1.0, 1.0)

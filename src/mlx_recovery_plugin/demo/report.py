@@ -60,10 +60,18 @@ class DemoReport:
         return statistics.median(values), min(values), max(values)
 
     def median_turn(self, arm: str, turn: int) -> TurnResult:
+        """One turn of one arm, each number the median over repeats (recovery's progress,
+        and so cached tokens and debt, can differ between repeats)."""
         rows = [r[arm].turns[turn] for r in self.repeats]
-        ttft = statistics.median(t.ttft_s for t in rows)
         first = rows[0]
-        return TurnResult(first.turn, first.prompt_tokens, first.cached_tokens, ttft, first.debt_tokens, first.route)
+        return TurnResult(
+            first.turn,
+            first.prompt_tokens,
+            int(statistics.median_low(t.cached_tokens for t in rows)),
+            statistics.median(t.ttft_s for t in rows),
+            int(statistics.median_high(t.debt_tokens for t in rows)),
+            first.route,
+        )
 
     def to_json(self) -> dict:
         out = {
