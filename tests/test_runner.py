@@ -310,6 +310,23 @@ def test_a_slice_stops_within_one_layer_of_the_signal(models: dict[str, LoadedMo
     assert out.interrupted and out.stop_checks == 2
 
 
+def test_long_slices_run_in_small_passes_so_a_stop_waits_for_one_small_layer(
+    models: dict[str, LoadedModel],
+) -> None:
+    handle = models["llama"]
+    layers = len(handle.model.layers)
+    prompt = tokens(512)
+    fine, coarse = SliceRunner(handle, BLOCK, stop_grain=128), SliceRunner(handle, BLOCK, stop_grain=4096)
+    fine_live, coarse_live = fine.begin(prompt), coarse.begin(prompt)
+    assert fine.advance(fine_live, 512, lambda: False).stop_checks == 4 * layers
+    assert coarse.advance(coarse_live, 512, lambda: False).stop_checks == layers
+    # Same blocks within float32 noise, whatever the passes.
+    rebuilt_fine = cache_from_blocks(handle.make_cache, fine.advance(fine.begin(prompt), 512).blocks)
+    rebuilt_coarse = cache_from_blocks(handle.make_cache, coarse.advance(coarse.begin(prompt), 512).blocks)
+    for a, b in zip(rebuilt_fine, rebuilt_coarse):
+        assert mx.abs(a.keys[..., :512, :] - b.keys[..., :512, :]).max().item() <= 1e-4
+
+
 def test_a_non_interruptible_runner_ignores_the_stop_signal(
     models: dict[str, LoadedModel],
 ) -> None:

@@ -48,6 +48,10 @@ from . import blas, gate
 
 RECOVERY_ORIGIN = "recovery"
 
+# Interruptible slices run in forward passes of at most this many tokens, so an arrival
+# waits for one layer of one such pass.
+STOP_GRAIN = 256
+
 Carry = dict[int, tuple[int, mx.array, mx.array]]
 """Sliding-window layer index -> (first position, keys, values) of the open block's head."""
 
@@ -93,12 +97,22 @@ class SliceOutcome:
     stop_checks: int = 0
 
 
-def _pieces(start: int, end: int, block_size: int, split: bool) -> list[tuple[int, int]]:
-    if not split:
-        return [(start, end)]
-    cuts = list(range((start // block_size + 1) * block_size, end, block_size))
+def _pieces(
+    start: int, end: int, block_size: int, split: bool, grain: int | None = None
+) -> list[tuple[int, int]]:
+    """Cut ``[start, end)`` at every block boundary (``split``: recurrent state exists only
+    where a forward stops) and at every multiple of ``grain`` (a stop check then waits
+    for one layer of at most ``grain`` tokens, not one layer of the whole slice)."""
+    steps = ([block_size] if split else []) + ([grain] if grain else [])
+    cuts = sorted({c for step in steps for c in range((start // step + 1) * step, end, step)})
     bounds = [start, *cuts, end]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _schedule_sensitive(cache: Sequence[Any]) -> bool:
+    """Sliding windows with sink positions mask by buffer slot in mlx-lm, so extra cuts
+    would change what they compute."""
+    return any(isinstance(layer, RotatingKVCache) and layer.keep > 0 for layer in cache)
 
 
 def model_dtype(model: Any) -> mx.Dtype | None:
@@ -116,7 +130,8 @@ class SliceRunner:
     """Prefills recovery slices with ``model`` and cuts the result into ``block_size`` blocks.
 
     ``interruptible``: check ``should_stop`` between layers (costs one evaluation per
-    layer instead of one per slice). ``clear_cache``: return MLX's buffer cache after each
+    layer instead of one per slice), running the slice in forward passes of at most
+    ``stop_grain`` tokens so that a check comes at least once per layer of such a pass. ``clear_cache``: return MLX's buffer cache after each
     slice, as mlx-lm's own prefill loop does. ``clock``: for ``SliceOutcome.seconds``.
     """
 
@@ -128,12 +143,14 @@ class SliceRunner:
         interruptible: bool = True,
         clear_cache: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        stop_grain: int = STOP_GRAIN,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.handle = model
         self.block_size = block_size
         self.interruptible = interruptible
+        self.stop_grain = stop_grain
         self.clear_cache = clear_cache
         self._clock = clock
         blas.warn_once_if_slow(model_dtype(model.model))
@@ -186,10 +203,13 @@ class SliceRunner:
         if end == live.offset:
             return SliceOutcome([], 0, False, self._clock() - started)
         start = live.offset
-        pieces = _pieces(start, end, self.block_size, live.recurrent)
+        stop_gate = gate.StopGate(should_stop) if self.interruptible and should_stop else None
+        # The same cuts with or without a stop signal, so a job's blocks do not depend on it;
+        # none where mlx-lm's own result depends on the chunk schedule (windows with sinks).
+        grain = self.stop_grain if self.interruptible and not _schedule_sensitive(live.cache) else None
+        pieces = _pieces(start, end, self.block_size, live.recurrent, grain)
         restore_point = gate.RestorePoint.capture(live.cache)
         saved_carry = dict(live.carry)
-        stop_gate = gate.StopGate(should_stop) if self.interruptible and should_stop else None
         hooked = gate.install(live.cache, stop_gate) if stop_gate else 0
         blocks: list[BlockState] = []
         interrupted = False
