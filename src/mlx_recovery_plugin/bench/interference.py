@@ -24,12 +24,14 @@ from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
-from ..testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
+from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
 from .stats import Spread, spread
 
 MODEL_ID = "bench-interference"
-DEFAULT_TARGET = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704, seed=41)
-DEFAULT_DRAFT = TinyModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=42)
+# The demo's pair: stop checks come between layers, so the model's depth sets how fine
+# an interruptible slice can stop.
+DEFAULT_TARGET = BENCH_TARGET
+DEFAULT_DRAFT = BENCH_DRAFT
 
 
 @dataclass(slots=True)
