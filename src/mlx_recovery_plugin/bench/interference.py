@@ -28,10 +28,6 @@ from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, lo
 from .stats import Spread, spread
 
 MODEL_ID = "bench-interference"
-# The demo's pair: stop checks come between layers, so the model's depth sets how fine
-# an interruptible slice can stop.
-DEFAULT_TARGET = BENCH_TARGET
-DEFAULT_DRAFT = BENCH_DRAFT
 
 
 @dataclass(slots=True)
@@ -104,8 +100,10 @@ def run_interference_bench(
     progress: Any = print,
 ) -> list[InterferenceRow]:
     if models is None:
-        model, tokenizer = load_tiny_model(cached_model_dir(DEFAULT_TARGET))
-        draft, _ = load_tiny_model(cached_model_dir(DEFAULT_DRAFT))
+        # The demo's 8-layer pair: stop checks come between layers, so depth sets how
+        # finely an interruptible slice can stop.
+        model, tokenizer = load_tiny_model(cached_model_dir(BENCH_TARGET))
+        draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
         models = (model, tokenizer, draft)
     rng = random.Random(seed)
     configs = [(s, i) for s in slice_sizes for i in (True, False)]

@@ -11,16 +11,13 @@ from .arms import ArmSession, Models, ServeConfig
 from .report import ARM_TITLES, ARMS, DemoReport
 from .session import SessionSpec, build_session
 
-DEFAULT_TARGET = BENCH_TARGET
-DEFAULT_DRAFT = BENCH_DRAFT
-
 
 @dataclass(slots=True)
 class DemoConfig:
     session: SessionSpec = field(default_factory=SessionSpec)
     serve: ServeConfig = field(default_factory=lambda: ServeConfig(model_id="tiny-llama-512x8"))
-    target: TinyModelSpec = DEFAULT_TARGET
-    draft: TinyModelSpec = DEFAULT_DRAFT
+    target: TinyModelSpec = BENCH_TARGET
+    draft: TinyModelSpec = BENCH_DRAFT
     model_path: str | None = None
     draft_path: str | None = None
     repeats: int = 1
