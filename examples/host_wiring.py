@@ -51,8 +51,11 @@ def main() -> None:
         prompt = tuple(range(40, 240)) * 2
         emit("request_arrived", event=RequestArrived("engine-0", "req-1", MODEL_ID, prompt))
         emit("request_admitted", event=RequestAdmitted("engine-0", "req-1", cached_tokens=0))
-        # The host served the prompt by its sparse route: nothing reusable was stored.
-        emit("sparse_route_served", event=SparseRouteServed("engine-0", "req-1", MODEL_ID, prompt, 0, len(prompt)))
+        # The host served the prompt by its sparse route: nothing reusable was stored. It
+        # says when it takes that route (above 128 uncached tokens, keeping 20 %), so the
+        # plugin can judge whether a recovered prefix makes the next turn cheaper.
+        served = SparseRouteServed("engine-0", "req-1", MODEL_ID, prompt, 0, len(prompt), threshold=128, keep=0.2)
+        emit("sparse_route_served", event=served)
         emit("request_departed", event=RequestDeparted("engine-0", "req-1", DepartureReason.FINISHED))
 
         # 4. Idle: the host offers idle steps on the engine's thread while a plugin asks.

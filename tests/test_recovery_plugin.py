@@ -421,10 +421,11 @@ def test_spent_budget_window_asks_to_be_called_back_when_it_refills(make_rig) ->
     status = rig.engine_status()
     assert status["last_refusal"] == reasons.BUDGET_SPENT
     assert rig.host.last_idle_retry_after == pytest.approx(10.0 - 1.2)
-    assert rig.open_lives == set()  # a spent window retires the live state
+    assert len(rig.open_lives) == 1, "a spent window is not foreground work: the live state stays"
     clock.advance(9.0)
     rig.host.drive_idle()
     assert rig.calls["advance"] == 4
+    assert rig.calls["begin"] == 1, "the next window goes on from the kept live state"
 
 
 def test_slices_shrink_to_the_allowance_so_long_slices_do_not_overshoot_the_cap(make_rig) -> None:

@@ -53,7 +53,10 @@ class SparseRouteServed:
     route, so the host kept no reusable prefix state for it.
 
     ``tokens`` is the whole prompt; ``served_start`` is where the host's reusable prefix
-    ended when the request was admitted.
+    ended when the request was admitted. What the host knows of its route, where it can
+    tell: ``threshold``, the uncached tokens above which it takes the sparse route;
+    ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds from
+    admission to the first token. Recovery uses them to judge whether publishing pays.
     """
 
     engine_id: str
@@ -62,6 +65,9 @@ class SparseRouteServed:
     tokens: tuple[int, ...]
     served_start: int
     served_end: int
+    threshold: int | None = None
+    keep: float | None = None
+    prefill_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.served_start <= self.served_end <= len(self.tokens):

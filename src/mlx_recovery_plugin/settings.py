@@ -25,6 +25,15 @@ class AdoptMode(str, Enum):
     TRIM = "trim"
 
 
+class PublishPolicy(str, Enum):
+    """``auto``: publish only what makes the next turn cheaper than the host's other
+    route (see :mod:`mlx_recovery_plugin.recovery.costs`); ``always``: publish every
+    finished block."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+
+
 class ModelSettings(BaseModel):
     """Per-model opt-in and overrides, one entry of ``MLX_RECOVERY_MODELS``."""
 
@@ -65,6 +74,10 @@ class RecoverySettings(BaseSettings):
     )
     interruptible: bool = Field(
         True, description="abandon a slice between layers when foreground work arrives"
+    )
+    publish_policy: PublishPolicy = Field(
+        PublishPolicy.AUTO,
+        description="auto: publish only what makes the next turn cheaper than the host's other route; always: every finished block",
     )
     adopter_enabled: bool = Field(False, description="adopt partially matching stored prefixes")
     adopter_mode: AdoptMode = Field(

@@ -4,11 +4,11 @@ One :class:`Budget` per process is shared by every engine and model. Time is cut
 windows of ``window_s`` seconds counted from the budget's creation; each window allows
 ``pct`` % of it (the allowance). A slice may start while the current window has allowance
 left and is charged after it has run, because a slice cannot be stopped midway unless
-the runner supports it. What a window overspends carries into the next one, capped at one
-allowance, so one long slice (a first compile, say) delays recovery by at most one window
-instead of starving it. With slices no longer than an allowance the long-run share stays
-within ``pct`` plus one slice; in every case each window runs at most its allowance plus
-one slice.
+the runner supports it. Whatever a window overspends is carried, whole, into the windows
+after it, each paying it off with its allowance, so a slice longer than an allowance (a
+slow machine, a first compile) is paid back by the windows that follow instead of being
+forgiven: whatever the slice lengths, the share charged over any stretch of time stays
+within ``pct`` plus one slice and one allowance.
 
 The execution claim keeps two engines from running slices at once: an engine takes it
 before a slice and gives it back after.
@@ -68,7 +68,7 @@ class Budget:
         self._origin = now
         self._window_index = 0
         self._used = 0.0  # charged to the current window, carry included
-        self._carry = 0.0  # what the previous window's overshoot brought in
+        self._carry = 0.0  # overshoot of earlier windows still to be paid off
         self._charged_total = 0.0
         self._slices = 0
         self._share_since = now
@@ -116,12 +116,11 @@ class Budget:
             to_next = self._window_start_locked(self._window_index + 1) - now
             next_allowance = self._allowance(self._pct)
             overshoot = max(0.0, self._used - self._allowance(self._pct_in_window))
-            next_carry = min(overshoot, next_allowance)
-            if next_carry >= next_allowance:
-                # The next window is spent by the carry alone; the one after starts clean.
-                to_next += self._window_s
+            # Window k after this one starts with overshoot - (k - 1) * allowance charged;
+            # the first with allowance left is the one where that falls below an allowance.
+            paying = math.floor(overshoot / next_allowance) if next_allowance > 0 else 0
             # Never 0 while unavailable, even where float rounding puts "now" on a boundary.
-            return max(to_next, _MIN_WAIT_S)
+            return max(to_next + paying * self._window_s, _MIN_WAIT_S)
 
     def remaining_s(self) -> float:
         """Allowance left in the current window, in seconds (0 when spent or off)."""
@@ -218,10 +217,9 @@ class Budget:
             return
         overshoot = max(0.0, self._used - self._allowance(self._pct_in_window))
         self._pct_in_window = self._pct
-        carry = min(overshoot, self._allowance(self._pct_in_window))
-        if index > self._window_index + 1:
-            # A whole window passed in between; its allowance absorbed the capped carry.
-            carry = 0.0
+        # Each window skipped in between paid off one allowance of the overshoot.
+        skipped = index - self._window_index - 1
+        carry = max(0.0, overshoot - skipped * self._allowance(self._pct_in_window))
         self._window_index = index
         self._carry = carry
         self._used = carry

@@ -31,6 +31,12 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+from .costs import SparseSample
+
+if TYPE_CHECKING:
+    from ..state import BlockState
 
 
 class Relation(str, Enum):
@@ -77,7 +83,13 @@ class RecoveryJob:
 
     ``committed`` is block-aligned and only ever set to a prefix the host's fetch path
     restored. ``target_end`` is the end of the served range; only its whole blocks can be
-    published (:meth:`publish_end`).
+    published (:meth:`publish_end`). ``held`` are finished blocks right after
+    ``committed`` that the publish policy keeps back until a longer prefix pays.
+
+    What the host said of its sparse route for this conversation: ``threshold`` and
+    ``keep`` (None: unknown), ``sparse`` (its last measured sparse prefill), ``last_append``
+    (how much the conversation grew at its last turn). ``stood_down`` is the reason
+    recovery stopped working on the job because no prefix of it would pay.
     """
 
     job_id: int
@@ -88,13 +100,36 @@ class RecoveryJob:
     attempts: int = 0
     parked_until: float | None = None
     tokens_recovered: int = 0
+    held: list[BlockState] = field(default_factory=list, repr=False)
+    threshold: int | None = None
+    keep: float | None = None
+    sparse: SparseSample | None = None
+    last_append: int | None = None
+    stood_down: str | None = None
 
     def publish_end(self, block_size: int) -> int:
         """The last block boundary recovery can reach for this job."""
         return floor_block(self.target_end, block_size)
 
+    def frontier(self, block_size: int) -> int:
+        """Where recovery goes on from: the committed boundary plus the held blocks."""
+        return self.committed + len(self.held) * block_size
+
     def done(self, block_size: int) -> bool:
         return self.committed >= self.publish_end(block_size)
+
+    def runnable(self, now: float, block_size: int) -> bool:
+        return (
+            not self.parked(now)
+            and self.stood_down is None
+            and self.frontier(block_size) < self.publish_end(block_size)
+        )
+
+    def drop_held_below(self, boundary: int, block_size: int) -> None:
+        """Forget held blocks the host now restores by itself (below ``boundary``)."""
+        self.held = [b for b in self.held if b.index * block_size >= boundary]
+        if self.held and self.held[0].index * block_size != boundary:
+            self.held = []  # no longer contiguous with the committed prefix
 
     @property
     def debt(self) -> int:
@@ -148,7 +183,7 @@ class JobBook:
     def next_runnable(self, now: float) -> RecoveryJob | None:
         """The job to work on now: the most recently served one that is not parked."""
         for job in self:
-            if not job.parked(now) and not job.done(self.block_size):
+            if job.runnable(now, self.block_size):
                 return job
         return None
 
@@ -178,9 +213,13 @@ class JobBook:
         for job in jobs:
             relation = relate(job.tokens, tokens, self.block_size)
             if relation is Relation.EXTENDS:
+                if len(tokens) > len(job.tokens):
+                    job.last_append = len(tokens) - len(job.tokens)
                 job.tokens = tokens
                 job.target_end = max(job.target_end, served_end)
                 job.committed = max(job.committed, canonical)
+                job.drop_held_below(job.committed, self.block_size)
+                job.stood_down = None  # a new turn, new measurements: judge again
                 job.served_seq = next(self._seq)
                 dropped = self._drop_redundant(keep=job)
                 return Offer(relation, job, dropped)

@@ -31,10 +31,11 @@ from typing import Any, Protocol
 
 from ..events import SparseRouteServed
 from ..ports import EnginePort, FetchedPrefix, ModelHandle
-from ..settings import RecoverySettings
+from ..settings import PublishPolicy, RecoverySettings
 from ..state import BlockState
 from . import gate as reasons
 from .budget import Budget
+from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
 from .gate import RunnableGate
 from .jobs import JobBook, Relation, RecoveryJob, floor_block
 from .publication import PublicationError, publish
@@ -53,10 +54,14 @@ INTERNAL_ERROR = "internal_error"
 
 INTERRUPTED = "slice_interrupted"  # a refusal-like reason for the status
 
+# Refusals that are not foreground work: the live state is kept through them, so a
+# machine whose allowance pays for less than a block per window still finishes blocks.
+_KEEP_LIVE_THROUGH = frozenset({reasons.NOT_ENOUGH_IDLE_STEPS, reasons.BUDGET_SPENT, reasons.CLAIM_TAKEN})
+# The keep share assumed when the host does not say (oMLX's default).
+DEFAULT_KEEP = 0.2
+
 # Ask again after this long when another engine or a request holds the process.
 RETRY_S = 0.1
-# Smallest slice the budget fit shrinks to, in tokens.
-SLICE_GRAIN = 16
 # Back-off after a runner fault, doubled per repeat, and the repeats before giving up.
 PARK_BASE_S = 1.0
 PARK_MAX_S = 60.0
@@ -137,6 +142,11 @@ class EngineRecovery:
         self.closed = False
         # Recovered tokens per charged second, learned from whole slices (engine thread).
         self._tokens_per_s: float | None = None
+        # Dense pass cost learned from the slices, and the last publish decision (engine
+        # thread writes; the status reads both under _lock).
+        self._costs = DenseCostModel()
+        self._policy = settings.publish_policy
+        self.last_decision: Decision | None = None
         self.book = JobBook(self.block_size, settings.max_jobs_per_engine)
         self.counters = EngineCounters()
         self.last_refusal: str | None = None
@@ -157,6 +167,8 @@ class EngineRecovery:
             return
         with self._lock:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)
+            if offer.job is not None:
+                _note_route(offer.job, event)
             if offer.relation in (Relation.UNRELATED, Relation.FORKS):
                 self.counters.jobs_queued += 1
             elif offer.relation is Relation.EXTENDS:
@@ -230,10 +242,13 @@ class EngineRecovery:
                     attempts=job.attempts,
                     parked_for_s=(job.parked_until - now) if job.parked(now) else None,  # type: ignore[operator]
                     tokens_recovered=job.tokens_recovered,
+                    held_tokens=len(job.held) * self.block_size,
+                    stood_down=job.stood_down,
                 )
                 for job in self.book
             )
             live_job = self._live_job
+            policy = self._policy_status_locked()
             return EngineStatus(
                 engine_id=self.engine_id,
                 model_id=self.model_id,
@@ -245,7 +260,23 @@ class EngineRecovery:
                 live_offset=self._live_offset,
                 last_refusal=self.last_refusal,
                 counters=self.counters.copy(),
+                policy=policy,
             )
+
+    def _policy_status_locked(self) -> dict[str, Any]:
+        """What the publish policy knows and last decided, for the status."""
+        coefficients = self._costs.coefficients()
+        decision = self.last_decision
+        return {
+            "mode": self._policy.value,
+            "dense_cost_samples": self._costs.samples,
+            "dense_s_per_token": coefficients[0] if coefficients else None,
+            "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
+            "verdict": decision.verdict.value if decision else None,
+            "reason": decision.reason if decision else None,
+            "dense_append_s": decision.dense_s if decision else None,
+            "sparse_rerun_s": decision.sparse_s if decision else None,
+        }
 
     # -- the slice loop (engine thread, under _work) -------------------------------
 
@@ -298,7 +329,8 @@ class EngineRecovery:
             self.counters.refused(reason)
         if reason == reasons.NOT_ENOUGH_IDLE_STEPS:
             return True  # transient: the next idle steps will pass
-        self._retire_live()
+        if reason not in _KEEP_LIVE_THROUGH:
+            self._retire_live()
         if reason == reasons.HOST_ERROR:
             self._count_fault(HOST_GONE)
             self._drop_everything(HOST_GONE)
@@ -321,6 +353,8 @@ class EngineRecovery:
         runner = self._ensure_runner()
         if runner is None:
             return 0
+        if self._stands_down(job):
+            return 0
         end_target = job.publish_end(self.block_size)
         if self._live is None or self._live_job is not job or self._live_end != end_target:
             self._retire_live()
@@ -328,7 +362,7 @@ class EngineRecovery:
                 return 0
 
         start = self._live.offset
-        end = min(start + self._slice_tokens_now(), end_target)
+        end = self._slice_end(start, end_target)
         try:
             outcome = runner.advance(self._live, end, should_stop)
         except Exception as exc:  # noqa: BLE001 - runner faults park the job
@@ -344,9 +378,10 @@ class EngineRecovery:
                 self.last_refusal = INTERRUPTED
             self._retire_live()
             return 0
+        self._costs.observe(start, int(outcome.tokens_run), float(outcome.seconds))
         if self._stop.is_set():
             return 0  # cancelled while the slice ran: publish nothing
-        if outcome.blocks and not self._publish(job, list(outcome.blocks)):
+        if outcome.blocks and not self._publish_or_hold(job, list(outcome.blocks)):
             return 0
         with self._lock:
             job.attempts, job.parked_until = 0, None
@@ -355,19 +390,26 @@ class EngineRecovery:
                 self.counters.jobs_completed += 1
                 finished = True
             else:
-                finished = False
+                finished = job.stood_down is not None
         if finished:
             self._retire_live()
         return int(outcome.tokens_run)
 
     def _slice_tokens_now(self) -> int:
-        """The configured slice, shrunk to what the window's remaining allowance pays for
-        at the measured rate: a slice is charged after it runs, so one longer than the
-        allowance would overshoot the cap by the difference."""
+        """The configured slice, fitted to what the window's remaining allowance pays for
+        at the measured rate, but never below one block: a slice that finishes no block
+        publishes nothing, and whatever a slice overspends the next windows pay back."""
         if self._tokens_per_s is None:
             return self.slice_tokens
-        affordable = int(self._tokens_per_s * self._budget.remaining_s()) // SLICE_GRAIN * SLICE_GRAIN
-        return max(SLICE_GRAIN, min(self.slice_tokens, affordable))
+        affordable = floor_block(int(self._tokens_per_s * self._budget.remaining_s()), self.block_size)
+        return min(self.slice_tokens, max(self.block_size, affordable))
+
+    def _slice_end(self, start: int, end_target: int) -> int:
+        """Where the next slice stops: its size from :meth:`_slice_tokens_now`, cut back to
+        a block boundary when it would otherwise leave a block half done."""
+        end = min(start + self._slice_tokens_now(), end_target)
+        whole = floor_block(end, self.block_size)
+        return whole if end < end_target and whole > start else end
 
     def _learn_rate(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -393,15 +435,18 @@ class EngineRecovery:
             with self._lock:
                 if restorable < job.committed:
                     self.counters.ground_lost_tokens += job.committed - restorable
+                    job.held = []  # held blocks sit on a prefix the host lost
                 job.committed = restorable
+                job.drop_held_below(restorable, self.block_size)
                 if job.done(self.block_size):
                     self.book.remove(job.job_id)
                     self.counters.jobs_completed += 1
                     return False
-            if restorable != prefix.tokens:
-                prefix = FetchedPrefix(restorable, tuple(prefix.blocks[: restorable // self.block_size]))
+                held = tuple(job.held)
+            blocks = tuple(prefix.blocks[: restorable // self.block_size]) + held
+            prefix = FetchedPrefix(len(blocks) * self.block_size, blocks)
             try:
-                live = runner.begin(lineage, prefix if restorable else None)
+                live = runner.begin(lineage, prefix if prefix.tokens else None)
             except Exception as exc:  # noqa: BLE001 - runner faults park the job
                 self._runner_fault(job, exc)
                 return False
@@ -411,6 +456,64 @@ class EngineRecovery:
         with self._lock:
             self._live_offset = int(live.offset)
         return True
+
+    # -- the publish policy (engine thread, under _work) -------------------------------
+
+    def _publish_or_hold(self, job: RecoveryJob, blocks: list[BlockState]) -> bool:
+        """Publish the held blocks and ``blocks`` when the policy says the prefix pays,
+        else keep them held (or stand the job down). False after a publication fault."""
+        with self._lock:
+            pending = [*job.held, *blocks]
+        boundary = job.committed + sum(1 for b in pending if b.index * self.block_size >= job.committed) * self.block_size
+        decision = self._decide(job, boundary)
+        if decision.verdict is Verdict.PUBLISH:
+            with self._lock:
+                job.held = []
+            return self._publish(job, pending)
+        with self._lock:
+            if decision.verdict is Verdict.HOLD:
+                job.held = [b for b in pending if b.index * self.block_size >= job.committed]
+                self.counters.slices_held += 1
+            else:
+                self._stand_down_locked(job, decision.reason)
+        return True
+
+    def _stands_down(self, job: RecoveryJob) -> bool:
+        """Before working on ``job``: stand it down when even its whole prefix would not pay."""
+        if self._policy is not PublishPolicy.AUTO or not self._costs.fitted:
+            return False
+        full = job.publish_end(self.block_size)
+        decision = self._decide(job, full)
+        if decision.verdict is not Verdict.STAND_DOWN:
+            return False
+        with self._lock:
+            self._stand_down_locked(job, decision.reason)
+        self._retire_live()
+        return True
+
+    def _stand_down_locked(self, job: RecoveryJob, reason: str) -> None:
+        if job.stood_down is None:
+            self.counters.jobs_stood_down += 1
+            log.info("mlx-recovery: engine %s: job %d stands down: %s", self.engine_id, job.job_id, reason)
+        job.stood_down = reason
+        job.held = []
+
+    def _decide(self, job: RecoveryJob, boundary: int) -> Decision:
+        if self._policy is PublishPolicy.ALWAYS:
+            decision = Decision(Verdict.PUBLISH, "policy: always")
+        else:
+            decision = decide(
+                self._costs,
+                boundary=boundary,
+                full_boundary=job.publish_end(self.block_size),
+                next_tokens=len(job.tokens) + (job.last_append or DEFAULT_APPEND_TOKENS),
+                threshold=job.threshold,
+                keep=job.keep if job.keep is not None else DEFAULT_KEEP,
+                measured=job.sparse,
+            )
+        with self._lock:
+            self.last_decision = decision
+        return decision
 
     def _publish(self, job: RecoveryJob, blocks: list[BlockState]) -> bool:
         # Blocks the host already restores (it may have stored them meanwhile) need no store.
@@ -532,6 +635,16 @@ class EngineRecovery:
     def _count_fault(self, kind: str) -> None:
         with self._lock:
             self.counters.fault(kind)
+
+
+def _note_route(job: RecoveryJob, event: SparseRouteServed) -> None:
+    """Keep what the host said of its sparse route on the job it served."""
+    if event.threshold is not None:
+        job.threshold = int(event.threshold)
+    if event.keep is not None:
+        job.keep = float(event.keep)
+    if event.prefill_s is not None and event.prefill_s > 0:
+        job.sparse = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
 
 
 def _later(wait: float | None) -> float | None:

@@ -24,6 +24,8 @@ class JobStatus:
     attempts: int
     parked_for_s: float | None
     tokens_recovered: int
+    held_tokens: int = 0
+    stood_down: str | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +42,8 @@ class EngineCounters:
     jobs_completed: int = 0
     jobs_dropped: int = 0
     jobs_cancelled: int = 0
+    jobs_stood_down: int = 0
+    slices_held: int = 0
     live_retired: int = 0
     ground_lost_tokens: int = 0
     slice_seconds: float = 0.0
@@ -73,6 +77,7 @@ class EngineStatus:
     live_offset: int | None
     last_refusal: str | None
     counters: EngineCounters
+    policy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def debt(self) -> int:

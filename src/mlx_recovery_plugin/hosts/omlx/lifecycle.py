@@ -41,6 +41,8 @@ class LiveRequest:
 
     in_scheduler: bool = False
     admitted: bool = False
+    admitted_at: float | None = None
+    first_token_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -206,6 +208,7 @@ class Lifecycle:
                 if live is None or live.admitted:
                     continue
                 live.admitted = True
+                live.admitted_at = self._clock()
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emit(
@@ -220,6 +223,11 @@ class Lifecycle:
             return None  # not sparse, or its sparse prefill never completed
         tokens = tuple(int(t) for t in (request.prompt_token_ids or ()))
         start = min(int(getattr(request, "cached_tokens", 0) or 0), len(tokens))
+        threshold, keep = sparse_route_settings(request)
+        with record.lock:
+            live = record.live.get(request_id)
+            began = live.admitted_at if live is not None else None
+            first = live.first_token_at if live is not None else None
         return SparseRouteServed(
             engine_id=record.engine_id,
             request_id=request_id,
@@ -227,6 +235,9 @@ class Lifecycle:
             tokens=tokens,
             served_start=start,
             served_end=len(tokens),
+            threshold=threshold,
+            keep=keep,
+            prefill_s=first - began if began is not None and first is not None else None,
         )
 
     # -- steps -------------------------------------------------------------------------
@@ -240,7 +251,24 @@ class Lifecycle:
     def after_step(self, record: EngineRecord, scheduler: Any, real_work: bool) -> None:
         if real_work:
             record.driver.note_work()
+            self.note_first_tokens(record, scheduler)
         self.sweep(record, scheduler, DepartureReason.FAILED)
+
+    def note_first_tokens(self, record: EngineRecord, scheduler: Any) -> None:
+        """Time the first token of each admitted request (its prefill's end)."""
+        with record.lock:
+            waiting = [rid for rid, live in record.live.items() if live.admitted and live.first_token_at is None]
+        if not waiting:
+            return
+        now = self._clock()
+        for rid in waiting:
+            request = scheduler.running.get(rid)
+            if request is None or not getattr(request, "output_token_ids", None):
+                continue
+            with record.lock:
+                live = record.live.get(rid)
+                if live is not None and live.first_token_at is None:
+                    live.first_token_at = now
 
     def idle_now(self, record: EngineRecord, scheduler: Any) -> bool:
         if scheduler.waiting or scheduler.prefilling or scheduler.running:
@@ -265,6 +293,21 @@ class Lifecycle:
                 self._reported.add(key)
                 log.error("mlx-recovery: oMLX adapter error in %s: %r", key, exc, exc_info=exc)
             return None
+
+
+def sparse_route_settings(request: Any) -> tuple[int | None, float | None]:
+    """The threshold and keep share oMLX applies to ``request``'s sparse route: the
+    request's own values, else oMLX's defaults (None where this version has none)."""
+    try:
+        from omlx.patches.specprefill import DEFAULT_KEEP_RATE, DEFAULT_THRESHOLD
+    except Exception:  # noqa: BLE001 - another layout: only the request's own values
+        DEFAULT_KEEP_RATE, DEFAULT_THRESHOLD = None, None
+    threshold = getattr(request, "_specprefill_threshold", None) or DEFAULT_THRESHOLD
+    keep = getattr(request, "_specprefill_keep_pct", None) or DEFAULT_KEEP_RATE
+    return (
+        int(threshold) if threshold is not None else None,
+        float(keep) if keep is not None else None,
+    )
 
 
 def tokens_of_request(request: Any) -> tuple[int, ...]:
