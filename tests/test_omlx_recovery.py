@@ -288,3 +288,21 @@ def test_reset_in_the_middle_of_a_recovery_job_leaves_no_reference_and_recovery_
     host.drive_idle(max_steps=100)
     assert stored_tokens(host, again) == len(again)
     assert host.outstanding_refs() == {}
+
+
+def test_the_sparse_route_report_carries_oMLX_threshold_keep_and_prefill_time(models: tuple[Any, Any, Any]) -> None:
+    """What the publish policy weighs: oMLX's own threshold and keep share for the
+    request, and how long its sparse prefill took (admission to first token)."""
+    model, tokenizer, draft = models
+    recorder = EventRecorder()
+    with OmlxContractHost(
+        model, tokenizer, draft, block_size=BLOCK, sparse_threshold=THRESHOLD, sparse_keep=0.3,
+        plugins=[recorder], model_id="tiny-route",
+    ) as host:
+        rid = host.submit(contract_tokens(6 * BLOCK, seed=21), max_tokens=3, sparse=True)
+        host.run_until_idle()
+        assert host.result(rid).output_tokens
+    (served,) = [e.payload for e in recorder.snapshot() if e.hook == "sparse_route_served"]
+    assert served.threshold == THRESHOLD
+    assert served.keep == pytest.approx(0.3)
+    assert served.prefill_s is not None and 0 < served.prefill_s < WAIT_S

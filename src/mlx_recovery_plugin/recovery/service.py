@@ -363,11 +363,13 @@ class EngineRecovery:
 
         start = self._live.offset
         end = self._slice_end(start, end_target)
+        began = self._clock()
         try:
             outcome = runner.advance(self._live, end, should_stop)
         except Exception as exc:  # noqa: BLE001 - runner faults park the job
             self._runner_fault(job, exc)
             return 0
+        seconds = self._clock() - began
         with self._lock:
             self.counters.slices += 1
             self.counters.tokens_run += int(outcome.tokens_run)
@@ -378,7 +380,7 @@ class EngineRecovery:
                 self.last_refusal = INTERRUPTED
             self._retire_live()
             return 0
-        self._costs.observe(start, int(outcome.tokens_run), float(outcome.seconds))
+        self._costs.observe(start, int(outcome.tokens_run), seconds)
         if self._stop.is_set():
             return 0  # cancelled while the slice ran: publish nothing
         if outcome.blocks and not self._publish_or_hold(job, list(outcome.blocks)):

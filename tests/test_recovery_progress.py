@@ -1,0 +1,237 @@
+"""Recovery on a slow machine and the publish policy, on the mock host with the real runner
+and a tiny model; slice costs are simulated on an injected clock, so a 25 tokens/s machine
+is tested without waiting for one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from mlx_recovery_plugin.events import SparseRouteServed
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.runner import SliceRunner
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.host import MockHost
+from test_recovery_plugin import FakeClock, loaded, toks  # noqa: F401 - fixture
+
+MODEL = "tiny"
+
+
+class CostedRunner:
+    """The real runner; each slice first moves the clock by ``a*n + b*(n*c + n*n/2)``
+    (n tokens on top of c), as a machine of that speed would take."""
+
+    def __init__(self, inner: SliceRunner, clock: FakeClock, a: float, b: float) -> None:
+        self.inner, self.clock, self.a, self.b = inner, clock, a, b
+        self.begun: list[int] = []
+        self.lives: set[int] = set()
+
+    def begin(self, tokens: Sequence[int], prefix: Any) -> Any:
+        live = self.inner.begin(tokens, prefix)
+        self.begun.append(prefix.tokens if prefix is not None else 0)
+        self.lives.add(id(live))
+        return live
+
+    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None) -> Any:
+        n, c = end - live.offset, live.offset
+        self.clock.advance(self.a * n + self.b * (n * c + n * n / 2))
+        return self.inner.advance(live, end, should_stop)
+
+    def discard(self, live: Any) -> None:
+        self.lives.discard(id(live))
+        self.inner.discard(live)
+
+
+class Rig:
+    def __init__(self, loaded: Any, *, block: int, a: float, b: float = 0.0, threshold: int = 16, **settings: Any) -> None:
+        self.clock = FakeClock()
+        values: dict[str, Any] = {"budget_pct": 10.0, "budget_window_s": 10.0, "idle_steps": 1,
+                                  "models": {MODEL: {"enabled": True}}}
+        values.update(settings)
+        self.settings = RecoverySettings(**values)
+        self.runners: list[CostedRunner] = []
+
+        def factory(handle: Any, block_size: int, interruptible: bool) -> CostedRunner:
+            runner = CostedRunner(SliceRunner(handle, block_size, interruptible=interruptible), self.clock, a, b)
+            self.runners.append(runner)
+            return runner
+
+        self.plugin = RecoveryPlugin(self.settings, clock=self.clock, runner_factory=factory, control_socket=False)
+        self.host = MockHost(make_plugin_manager([self.plugin], settings=self.settings, entry_points_too=False))
+        model, tokenizer, draft = loaded
+        self.engine = self.host.add_engine(
+            "e", model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL,
+            block_size=block, prefill_step=block, sparse_threshold=threshold,
+        )
+
+    def served(self, prompt: Sequence[int], *, threshold: int | None, prefill_s: float | None) -> None:
+        """Report ``prompt`` as served by the host's sparse route (as an adapter would)."""
+        self.host.pm.hook.sparse_route_served(event=SparseRouteServed(
+            "e", f"r{len(prompt)}", MODEL, tuple(prompt), 0, len(prompt),
+            threshold=threshold, keep=0.2, prefill_s=prefill_s,
+        ))
+
+    def idle(self, until: float) -> None:
+        """Offer idle steps and skip the clock over the waits asked for, up to ``until``."""
+        while self.clock() < until:
+            answers = self.engine.offer_idle_step()
+            if any(a is True for a in answers):
+                continue
+            delays = [a for a in answers if isinstance(a, float) and a > 0]
+            if not delays:
+                return
+            self.clock.advance(min(delays))
+
+    def status(self) -> dict[str, Any]:
+        return self.plugin.status()["engines"]["e"]
+
+    def restorable(self, prompt: Sequence[int]) -> int:
+        cache = self.engine.prefix_cache
+        try:
+            return cache.fetch("test-probe", prompt).tokens
+        finally:
+            cache.release("test-probe")
+
+    def close(self) -> None:
+        self.plugin.close()
+        assert self.host.leaked() == {}
+        assert all(not r.lives for r in self.runners)
+
+
+@pytest.fixture
+def rigs(loaded):
+    made: list[Rig] = []
+
+    def make(**kw: Any) -> Rig:
+        made.append(Rig(loaded, **kw))
+        return made[-1]
+
+    yield make
+    for rig in made:
+        rig.close()
+
+
+# -- progress at any speed ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slice_tokens", [None, 4096, 16])
+def test_a_slow_machine_commits_at_least_80_percent_of_its_budgeted_dense_rate(rigs, slice_tokens) -> None:
+    """25 tokens/s, 256-token blocks, 10 % of 10 s windows: an allowance of 1 s pays for a
+    tenth of a block. Before, each window shrank the slice to 16 tokens and then threw the
+    live state away, and the committed boundary never moved."""
+    rate, block = 25.0, 256
+    extra = {"slice_tokens": slice_tokens} if slice_tokens else {}
+    rig = rigs(block=block, a=1.0 / rate, **extra)
+    prompt = toks(11, 2100)
+    rig.served(prompt, threshold=16, prefill_s=None)
+    start = rig.clock()
+    rig.idle(until=start + 3000.0)
+    committed = rig.restorable(prompt)
+    assert committed == 2048, "the whole served range became restorable"
+    assert rig.status()["counters"]["slices_interrupted"] == 0
+    # Rate check over the first 1,000 s only: the job is done before 3,000 s.
+    rig2 = rigs(block=block, a=1.0 / rate, **extra)
+    rig2.served(prompt, threshold=16, prefill_s=None)
+    begin = rig2.clock()
+    rig2.idle(until=begin + 1000.0)
+    first_slice_s = min(slice_tokens or block, 2048) / rate
+    elapsed = rig2.clock() - begin - first_slice_s
+    goal = 0.8 * rate * 0.10 * elapsed
+    assert rig2.restorable(prompt) >= goal, (rig2.restorable(prompt), goal)
+    assert rig2.plugin.status()["budget"]["share_used"] <= 0.10 + (first_slice_s + 1.0) / (rig2.clock() - begin)
+
+
+def test_a_spent_window_keeps_the_live_state_and_goes_on_from_it(rigs) -> None:
+    rig = rigs(block=256, a=1.0 / 25.0)
+    prompt = toks(12, 1100)
+    rig.served(prompt, threshold=16, prefill_s=None)
+    rig.idle(until=rig.clock() + 2000.0)
+    assert rig.restorable(prompt) == 1024
+    (runner,) = rig.runners
+    assert runner.begun == [0], "one live state for the whole job: no window started over"
+
+
+# -- the publish policy ---------------------------------------------------------------
+
+# A matmul-bound machine: 10 ms a token whatever the context.
+A = 0.01
+PROMPT = 1000  # 960 tokens in 15 blocks of 64
+
+
+def test_a_partial_prefix_that_would_slow_the_next_turn_is_held_then_published(rigs) -> None:
+    """Every partial prefix flips the next turn (1,512 tokens expected) to the dense route;
+    the sparse rerun costs ~10 s, so a prefix pays once fewer than ~900 tokens stay
+    uncached, that is from 640 tokens on."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = toks(13, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=6.6)
+    seen: list[tuple[int, int]] = []
+    while rig.restorable(prompt) < 960:
+        before = rig.status()["counters"]["slices"]
+        rig.engine.offer_idle_step()
+        assert rig.status()["counters"]["slices"] > before, "recovery stalled"
+        (job,) = rig.status()["jobs"] or [{"committed": 960, "held_tokens": 0}]
+        seen.append((job["committed"], job["held_tokens"]))
+    assert seen[0] == (0, 128), "the first blocks are held, not published"
+    assert all(committed == 0 or committed >= 640 for committed, _ in seen)
+    assert any(committed >= 640 for committed, _ in seen)
+    policy = rig.status()["policy"]
+    assert policy["verdict"] == "publish" and policy["dense_s_per_token"] == pytest.approx(A, rel=0.05)
+
+
+def test_held_blocks_survive_a_foreground_request(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = toks(14, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=6.6)
+    for _ in range(3):
+        rig.engine.offer_idle_step()
+    (job,) = rig.status()["jobs"]
+    assert job["committed"] == 0 and job["held_tokens"] == 384
+    rid = rig.host.submit("e", toks(15, 50), max_tokens=2)  # foreground: live state retired
+    rig.host.run_until_idle()
+    assert rig.host.result(rid).output_tokens
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(prompt) == 960
+    assert rig.runners[0].begun == [0, 384], "the job went on from its held blocks"
+
+
+def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = toks(16, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)  # the sparse route is far cheaper
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(prompt) == 0
+    (job,) = rig.status()["jobs"]
+    assert "costs more than a sparse rerun" in job["stood_down"]
+    assert job["held_tokens"] == 0
+    status = rig.status()
+    assert status["policy"]["verdict"] == "stand_down"
+    assert status["counters"]["jobs_stood_down"] == 1
+    slices = status["counters"]["slices"]
+    assert slices == 3, "it stood down as soon as the cost model was fitted"
+    assert rig.runners[0].lives == set()
+
+
+def test_policy_always_publishes_every_finished_block(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, publish_policy="always")
+    prompt = toks(17, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)
+    rig.engine.offer_idle_step()
+    assert rig.restorable(prompt) == 128
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(prompt) == 960
+
+
+def test_a_new_turn_lifts_a_stand_down_for_a_fresh_judgement(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = toks(18, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.status()["jobs"][0]["stood_down"]
+    longer = prompt + toks(19, 200)
+    rig.served(longer, threshold=5000, prefill_s=60.0)  # now the sparse route is slow
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(longer) == 1152
