@@ -8,18 +8,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlx_recovery_plugin.state import (
-    BlockState,
-    KVBlock,
-    RecurrentSnapshot,
+from mlx_recovery_plugin.kvcodec import (
     UnsupportedCacheError,
     blocks_from_cache,
     cache_arrays,
     cache_from_blocks,
     cache_offset,
-    caches_equal,
     kv_positions,
 )
+from mlx_recovery_plugin.state import BlockState, KVBlock, RecurrentSnapshot
+from mlx_recovery_plugin.testing.caches import caches_equal
 
 B = 16  # block size
 HEADS, DIM = 2, 8

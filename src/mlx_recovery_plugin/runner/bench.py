@@ -30,7 +30,8 @@ import mlx.core as mx
 
 from ..bench.stats import describe as describe_samples
 from ..ports import FetchedPrefix
-from ..state import BlockState, cache_arrays
+from ..kvcodec import cache_arrays
+from ..state import BlockState
 from . import blas
 from .runner import SliceRunner
 

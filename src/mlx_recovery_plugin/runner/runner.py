@@ -34,16 +34,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from .. import ports
-from ..state import (
-    BlockState,
-    KVBlock,
-    LayerBlock,
+from ..kvcodec import (
     cache_arrays,
     cache_from_blocks,
     has_recurrent_layers,
     kv_positions,
     recurrent_snapshot,
 )
+from ..state import BlockState, KVBlock, LayerBlock
 from . import blas, gate
 
 RECOVERY_ORIGIN = "recovery"

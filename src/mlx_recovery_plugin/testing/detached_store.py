@@ -31,17 +31,14 @@ from mlx_lm.models.cache import ArraysCache
 from ..adopter.ports import EntryLayout, PinError, PinsNotOwnedError, ReleaseErrors
 from ..events import PrefixLookup
 from ..plugins import HookEmitter
-from ..state import (
-    BlockState,
-    KVBlock,
-    LayerBlock,
-    RecurrentSnapshot,
+from ..kvcodec import (
     blocks_from_cache,
     cache_from_blocks,
     cache_offset,
     kv_positions,
     recurrent_snapshot,
 )
+from ..state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
 from .block_pool import BlockPool, PoolExhaustedError
 
 

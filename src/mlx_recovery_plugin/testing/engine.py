@@ -46,7 +46,7 @@ from ..events import (
     SparseRouteServed,
 )
 from ..plugins import HookEmitter
-from ..state import UnsupportedCacheError, blocks_from_cache, cache_from_blocks
+from ..kvcodec import UnsupportedCacheError, blocks_from_cache, cache_from_blocks
 from .block_pool import BlockPool
 from .prefix_cache import PagedPrefixCache
 

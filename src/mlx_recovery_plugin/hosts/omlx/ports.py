@@ -38,14 +38,8 @@ from typing import Any
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from ...ports import FetchedPrefix
-from ...state import (
-    BlockState,
-    KVBlock,
-    LayerBlock,
-    RecurrentSnapshot,
-    UnsupportedCacheError,
-    blocks_from_cache,
-)
+from ...kvcodec import UnsupportedCacheError, blocks_from_cache
+from ...state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
 
 log = logging.getLogger(__name__)
 
