@@ -26,7 +26,8 @@ from mlx_recovery_plugin.hosts.omlx.session import (  # noqa: E402
     wait_for_cache_writes,
 )
 from mlx_recovery_plugin.ports import EnginePort, ModelHandle, PrefixCachePort  # noqa: E402
-from mlx_recovery_plugin.state import BlockState, KVBlock, blocks_from_cache  # noqa: E402
+from mlx_recovery_plugin.kvcodec import blocks_from_cache  # noqa: E402
+from mlx_recovery_plugin.state import BlockState, KVBlock  # noqa: E402
 from mlx_recovery_plugin.testing.contract import contract_tokens  # noqa: E402
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
 

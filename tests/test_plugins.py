@@ -135,3 +135,24 @@ def test_firstresult_hook_returns_the_first_decision() -> None:
     lookup = PrefixLookup("e0", "r", "entry", 128, 100, 64)
     assert HookEmitter(pm).first("prefix_lookup", lookup=lookup) == "decided"
     assert HookEmitter(pm).emit("prefix_lookup", lookup=lookup) == ["decided"]
+
+
+class Wrapping:
+    @hookimpl(wrapper=True)
+    def request_arrived(self, event: RequestArrived):  # type: ignore[no-untyped-def]
+        return (yield)
+
+
+def test_a_hook_wrapper_is_refused_with_the_reason_not_left_uncalled() -> None:
+    with pytest.raises(PluginLoadError, match="hook wrappers are not supported.*request_arrived"):
+        make_plugin_manager([Wrapping()], settings=RecoverySettings(), entry_points_too=False)
+
+
+def test_a_misspelt_hook_name_is_logged_and_never_raises_into_the_host(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = Recorder()
+    emitter = HookEmitter(make_plugin_manager([recorder], settings=RecoverySettings(), entry_points_too=False))
+    with caplog.at_level(logging.ERROR):
+        assert emitter.emit("request_arived", event=_arrival("r1")) == []
+    assert "no hook named 'request_arived'" in caplog.text
+    emitter.request_arrived(_arrival("r2"))  # the typed call reaches the plugin
+    assert recorder.seen == ["r2"]

@@ -8,6 +8,8 @@ with no spec, is logged and skipped; the rest load.
 
 Hosts call hooks through :class:`HookEmitter`, which isolates each implementation: one
 that raises is logged once and skipped, and the host's step never sees the exception.
+Because it calls implementations one at a time, it cannot run pluggy hook wrappers: a
+plugin that brings one is refused at registration, never silently left uncalled.
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .events import (
+    AdoptionDecision,
+    IdleStep,
+    PrefixLookup,
+    RequestAdmitted,
+    RequestArrived,
+    RequestDeparted,
+    SparseRouteServed,
+)
 from .hookspecs import PROJECT_NAME
+from .ports import EnginePort
 from .settings import RecoverySettings, load_settings
 
 log = logging.getLogger(__name__)
@@ -53,7 +65,7 @@ def new_plugin_manager() -> pluggy.PluginManager:
 
 def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None = None) -> str:
     """Register ``plugin``, refusing it (unregistered again) if it implements a hook
-    that has no spec or calls a spec with wrong arguments."""
+    that has no spec, calls a spec with wrong arguments, or is a hook wrapper."""
     try:
         registered = pm.register(plugin, name=name)
     except (pluggy.PluginValidationError, ValueError) as exc:
@@ -65,6 +77,18 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str | None 
     except pluggy.PluginValidationError as exc:
         pm.unregister(plugin)
         raise PluginLoadError(f"plugin {registered} refused: {exc}") from exc
+    wrappers = sorted(
+        caller.name
+        for caller in pm.get_hookcallers(plugin) or ()
+        for impl in caller.get_hookimpls()
+        if impl.plugin is plugin and (impl.hookwrapper or impl.wrapper)
+    )
+    if wrappers:
+        pm.unregister(plugin)
+        raise PluginLoadError(
+            f"plugin {registered} refused: hook wrappers are not supported (hooks are called "
+            f"one implementation at a time so a failing plugin is isolated): {', '.join(wrappers)}"
+        )
     return registered
 
 
@@ -133,15 +157,62 @@ class HookEmitter:
         self._reported: set[tuple[str, str, str]] = set()
         self.errors = 0
 
+    # -- typed calls, one per hook: what hosts use ----------------------------------
+
+    def engine_attached(self, engine: EnginePort) -> None:
+        self.emit("engine_attached", engine=engine)
+
+    def request_arrived(self, event: RequestArrived) -> None:
+        self.emit("request_arrived", event=event)
+
+    def request_admitted(self, event: RequestAdmitted) -> None:
+        self.emit("request_admitted", event=event)
+
+    def request_departed(self, event: RequestDeparted) -> None:
+        self.emit("request_departed", event=event)
+
+    def request_aborted(self, engine_id: str, request_id: str) -> None:
+        self.emit("request_aborted", engine_id=engine_id, request_id=request_id)
+
+    def engine_aborted_all(self, engine_id: str) -> None:
+        self.emit("engine_aborted_all", engine_id=engine_id)
+
+    def engine_failed_all(self, engine_id: str, error: str) -> None:
+        self.emit("engine_failed_all", engine_id=engine_id, error=error)
+
+    def engine_reset(self, engine_id: str, deep: bool) -> None:
+        self.emit("engine_reset", engine_id=engine_id, deep=deep)
+
+    def engine_shutdown(self, engine_id: str) -> None:
+        self.emit("engine_shutdown", engine_id=engine_id)
+
+    def model_unloaded(self, engine_id: str, model_id: str) -> None:
+        self.emit("model_unloaded", engine_id=engine_id, model_id=model_id)
+
+    def engine_idle_step(self, event: IdleStep) -> list[bool | float]:
+        """Every plugin's answer (True: step again now; seconds: look again then)."""
+        return self.emit("engine_idle_step", event=event)
+
+    def sparse_route_served(self, event: SparseRouteServed) -> None:
+        self.emit("sparse_route_served", event=event)
+
+    def prefix_lookup(self, lookup: PrefixLookup) -> AdoptionDecision | None:
+        decision = self.first("prefix_lookup", lookup=lookup)
+        return decision if isinstance(decision, AdoptionDecision) else None
+
+    # -- by name ---------------------------------------------------------------------
+
     def emit(self, hook_name: str, **kwargs: Any) -> list[Any]:
         """Call every implementation of ``hook_name`` (last registered first, as pluggy
-        does); return their non-None results (only the first, for a firstresult hook)."""
-        caller = getattr(self.pm.hook, hook_name)
+        does); return their non-None results (only the first, for a firstresult hook).
+        A name with no hook is logged once and calls nothing."""
+        caller = getattr(self.pm.hook, hook_name, None)
+        if caller is None:
+            self._report("<emitter>", hook_name, LookupError(f"no hook named {hook_name!r}"))
+            return []
         firstresult = bool(caller.spec and caller.spec.opts.get("firstresult"))
         results: list[Any] = []
         for impl in reversed(caller.get_hookimpls()):
-            if impl.hookwrapper or impl.wrapper:
-                continue
             try:
                 result = impl.function(*(kwargs[name] for name in impl.argnames))
             except Exception as exc:  # noqa: BLE001 - never raise into the host's step

@@ -217,7 +217,7 @@ class DetachedStore:
                 entry=entry,
                 store=self,
             )
-            decision = self.emitter.first("prefix_lookup", lookup=lookup)
+            decision = self.emitter.prefix_lookup(lookup)
             if decision is not None:
                 handle = decision.handle if decision.adopted else None
                 return Admission(

@@ -184,7 +184,7 @@ class MockEngine:
         self.max_running = max_running
         self.clock = clock
         self.on_result = on_result
-        self._emitter = emitter
+        self._hooks = emitter
         self.pool = BlockPool(pool_blocks, block_size)
         self._prefix_cache = PagedPrefixCache(self.pool, model.model_id)
 
@@ -212,7 +212,7 @@ class MockEngine:
         self._sparse_live = False
         self._warned: set[tuple[str, str]] = set()
 
-        self._emit("engine_attached", engine=self)
+        self._hooks.engine_attached(self)
 
     # -- EnginePort -----------------------------------------------------------------
     @property
@@ -276,10 +276,7 @@ class MockEngine:
             if request_id in self._requests or request_id in self.results:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._requests[request_id] = req
-        self._emit(
-            "request_arrived",
-            event=RequestArrived(self.engine_id, request_id, self.model_id, prompt),
-        )
+        self._hooks.request_arrived(RequestArrived(self.engine_id, request_id, self.model_id, prompt))
         with self._cond:
             self._waiting.append(req)
             self._cond.notify_all()
@@ -386,9 +383,7 @@ class MockEngine:
         """Emit one ``engine_idle_step``; returns the implementations' answers."""
         self.idle_consecutive += 1
         self.idle_steps_offered += 1
-        return self._emit(
-            "engine_idle_step", event=IdleStep(self.engine_id, self.idle_consecutive)
-        )
+        return self._hooks.engine_idle_step(IdleStep(self.engine_id, self.idle_consecutive))
 
     def reset(self, deep: bool = False) -> None:
         """Drop every request at once (each departs ``aborted``); ``deep`` also empties
@@ -396,7 +391,7 @@ class MockEngine:
         self._drain(DepartureReason.ABORTED)
         if deep:
             self._prefix_cache.clear()
-        self._emit("engine_reset", engine_id=self.engine_id, deep=deep)
+        self._hooks.engine_reset(engine_id=self.engine_id, deep=deep)
 
     def shutdown(self) -> None:
         """Drop every request (each departs ``aborted``), emit ``engine_shutdown``, and
@@ -406,7 +401,7 @@ class MockEngine:
         with self._cond:
             self.closed = True
         self._drain(DepartureReason.ABORTED)
-        self._emit("engine_shutdown", engine_id=self.engine_id)
+        self._hooks.engine_shutdown(engine_id=self.engine_id)
 
     def unload(self) -> None:
         """Shut down if needed, emit ``model_unloaded``, then free the prefix cache and
@@ -415,7 +410,7 @@ class MockEngine:
             return
         self.shutdown()
         self.unloaded = True
-        self._emit("model_unloaded", engine_id=self.engine_id, model_id=self.model_id)
+        self._hooks.model_unloaded(engine_id=self.engine_id, model_id=self.model_id)
         self._prefix_cache.clear()
         self._model = LoadedModel(self._model.model_id, None)
         self.draft = None
@@ -433,10 +428,7 @@ class MockEngine:
             self._requests.pop(req.request_id, None)
         result = req.result(self.engine_id)
         self.results[req.request_id] = result
-        self._emit(
-            "request_departed",
-            event=RequestDeparted(self.engine_id, req.request_id, result.reason),
-        )
+        self._hooks.request_departed(RequestDeparted(self.engine_id, req.request_id, result.reason))
         if self.on_result is not None:
             self.on_result(result)
 
@@ -449,7 +441,7 @@ class MockEngine:
         if fails:
             self._fail_in_flight(fails[0])
         if abort_all:
-            self._emit("engine_aborted_all", engine_id=self.engine_id)
+            self._hooks.engine_aborted_all(engine_id=self.engine_id)
             for req in self._live_requests():
                 self._clean_up(req, DepartureReason.ABORTED)
         for request_id in aborts:
@@ -460,11 +452,11 @@ class MockEngine:
                 continue
             if req.phase == DONE:
                 continue  # already leaving
-            self._emit("request_aborted", engine_id=self.engine_id, request_id=request_id)
+            self._hooks.request_aborted(engine_id=self.engine_id, request_id=request_id)
             self._clean_up(req, DepartureReason.ABORTED)
 
     def _fail_in_flight(self, error: str) -> None:
-        self._emit("engine_failed_all", engine_id=self.engine_id, error=error)
+        self._hooks.engine_failed_all(engine_id=self.engine_id, error=error)
         for req in self._live_requests():
             self._clean_up(req, DepartureReason.FAILED)
 
@@ -545,10 +537,7 @@ class MockEngine:
         else:
             req.route, req.phase = "dense", PREFILL
             req.feed = uncached
-        self._emit(
-            "request_admitted",
-            event=RequestAdmitted(self.engine_id, req.request_id, req.cached_tokens),
-        )
+        self._hooks.request_admitted(RequestAdmitted(self.engine_id, req.request_id, req.cached_tokens))
 
     def _run_once(self) -> None:
         with self._cond:
@@ -602,14 +591,13 @@ class MockEngine:
         if req.route == "dense":
             self._store_prompt(req)
         else:
-            self._emit(
-                "sparse_route_served",
-                event=SparseRouteServed(
+            self._hooks.sparse_route_served(
+                SparseRouteServed(
                     self.engine_id, req.request_id, self.model_id, req.prompt,
                     served_start=req.cached_tokens, served_end=len(req.prompt),
                     threshold=self.sparse_threshold, keep=self.sparse_keep,
                     prefill_s=now - req.admitted_at if req.admitted_at is not None else None,
-                ),
+                )
             )
         req.phase = DECODE
         if len(req.output) >= req.max_tokens:
@@ -640,8 +628,6 @@ class MockEngine:
         self._prefix_cache.store(req.request_id, req.prompt[: whole * size], blocks)
 
     # -- helpers ------------------------------------------------------------------
-    def _emit(self, hook: str, **kwargs: Any) -> list[Any]:
-        return self._emitter.emit(hook, **kwargs)
 
     def _warn_once(self, kind: str, key: str, message: str, *args: Any) -> None:
         if (kind, key) in self._warned:

@@ -19,6 +19,7 @@ loop thread runs the engine loop and ``add_request``; ``_results`` is guarded by
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import tempfile
 import threading
@@ -172,11 +173,36 @@ class OmlxContractHost:
         return rid
 
     def run_until_idle(self) -> None:
+        """Step until oMLX has no request and no background store of a finished one.
+
+        oMLX stores a finished request's cache on a worker thread and releases what that
+        request held only at a later step, once the store is done; ``has_requests()`` is
+        already False by then. Idle here means that work has settled too, so what the
+        caller sees next (references, stored blocks) does not depend on the worker's
+        timing."""
         for _ in range(_MAX_STEPS):
-            if not (self.instrumentor.host_has_work(self.scheduler) or self._fail_next):
+            if self.instrumentor.host_has_work(self.scheduler) or self._fail_next:
+                self._step()
+            elif self._stores_in_flight():
+                self._settle_stores()
+            else:
                 return
-            self._step()
         raise RuntimeError("oMLX did not go idle")
+
+    def _stores_in_flight(self) -> bool:
+        futures = getattr(self.scheduler, "_inflight_store_futures", None) or {}
+        return any(not f.done() for f in list(futures.values())) or bool(
+            getattr(self.scheduler, "_pending_async_removes", None)
+        )
+
+    def _settle_stores(self) -> None:
+        """Wait for oMLX's background stores, then finish them as its next step would."""
+        inflight = list(getattr(self.scheduler, "_inflight_store_futures", {}).values())
+        if inflight:
+            concurrent.futures.wait(inflight, timeout=60.0)
+        drain = getattr(self.scheduler, "_drain_pending_async_removes", None)
+        if drain is not None:
+            self._on_engine(drain)
 
     def drive_idle(self, max_steps: int = 100) -> int:
         driver_offered = self._offered()

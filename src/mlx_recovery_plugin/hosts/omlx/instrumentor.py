@@ -177,7 +177,7 @@ class OmlxInstrumentor:
             life, self._life = self._life, None
         if life is not None:
             for record in life.forget_all():
-                life.emit("engine_shutdown", engine_id=record.engine_id)
+                life.engine_shutdown(record)
         log.info("mlx-recovery: detached from oMLX; original methods restored")
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:

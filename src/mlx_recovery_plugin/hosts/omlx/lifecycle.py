@@ -22,6 +22,7 @@ from typing import Any
 
 from ...events import (
     DepartureReason,
+    IdleStep,
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
@@ -136,7 +137,7 @@ class Lifecycle:
             port.block_size,
             "on" if port.prefix_cache.enabled else "off: nothing can be recovered",
         )
-        self.emit("engine_attached", engine=port)
+        self.emitter.engine_attached(port)
 
     def detach(self, record: EngineRecord) -> bool:
         """Mark the engine gone (no idle steps); True if it was attached."""
@@ -163,9 +164,8 @@ class Lifecycle:
                 return False
             record.live[request_id] = LiveRequest(in_scheduler=in_scheduler)
         record.driver.note_work()
-        self.emit(
-            "request_arrived",
-            event=RequestArrived(
+        self.emitter.request_arrived(
+            RequestArrived(
                 engine_id=record.engine_id,
                 request_id=request_id,
                 model_id=record.port.model_id,
@@ -179,9 +179,8 @@ class Lifecycle:
         with record.lock:
             if record.live.pop(request_id, None) is None:
                 return
-        self.emit(
-            "request_departed",
-            event=RequestDeparted(engine_id=record.engine_id, request_id=request_id, reason=reason),
+        self.emitter.request_departed(
+            RequestDeparted(engine_id=record.engine_id, request_id=request_id, reason=reason),
         )
 
     def sweep(self, record: EngineRecord, scheduler: Any, reason: DepartureReason) -> None:
@@ -211,9 +210,8 @@ class Lifecycle:
                 live.admitted_at = self._clock()
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
-            self.emit(
-                "request_admitted",
-                event=RequestAdmitted(engine_id=record.engine_id, request_id=rid, cached_tokens=cached),
+            self.emitter.request_admitted(
+                RequestAdmitted(engine_id=record.engine_id, request_id=rid, cached_tokens=cached),
             )
 
     def sparse_served(self, record: EngineRecord, scheduler: Any, request_id: str) -> SparseRouteServed | None:
@@ -246,7 +244,7 @@ class Lifecycle:
         """Report, on the engine thread, what other threads noted for it."""
         if record.aborted_all_pending:
             record.aborted_all_pending = False
-            self.emit("engine_aborted_all", engine_id=record.engine_id)
+            self.engine_aborted_all(record)
 
     def after_step(self, record: EngineRecord, scheduler: Any, real_work: bool) -> None:
         if real_work:
@@ -277,10 +275,32 @@ class Lifecycle:
             return False
         return record.driver.wants_step()
 
-    # -- emission ----------------------------------------------------------------------
+    # -- hook calls: the one place the oMLX adapter talks to plugins ---------------------
+    # (arrival, admission and departure are reported by the bookkeeping methods above)
 
-    def emit(self, hook: str, **kwargs: Any) -> list[Any]:
-        return self.emitter.emit(hook, **kwargs)
+    def request_aborted(self, record: EngineRecord, request_id: str) -> None:
+        self.emitter.request_aborted(record.engine_id, request_id)
+
+    def engine_aborted_all(self, record: EngineRecord) -> None:
+        self.emitter.engine_aborted_all(record.engine_id)
+
+    def engine_failed_all(self, record: EngineRecord, error: str) -> None:
+        self.emitter.engine_failed_all(record.engine_id, error)
+
+    def engine_reset(self, record: EngineRecord, *, deep: bool) -> None:
+        self.emitter.engine_reset(record.engine_id, deep)
+
+    def engine_shutdown(self, record: EngineRecord) -> None:
+        self.emitter.engine_shutdown(record.engine_id)
+
+    def model_unloaded(self, record: EngineRecord) -> None:
+        self.emitter.model_unloaded(record.engine_id, record.port.model_id)
+
+    def engine_idle_step(self, event: IdleStep) -> list[bool | float]:
+        return self.emitter.engine_idle_step(event)
+
+    def sparse_route_served(self, event: SparseRouteServed) -> None:
+        self.emitter.sparse_route_served(event)
 
     def safe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the adapter's own bookkeeping; a fault there is logged once, never raised

@@ -98,7 +98,7 @@ def scheduler_step(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -
             record.driver.run_idle_step(
                 record.engine_id,
                 getattr(scheduler, "_stream", None),
-                lambda event: life.emit("engine_idle_step", event=event),
+                life.engine_idle_step,
                 guard=buffer_lock,
             )
         return output_type()
@@ -131,7 +131,7 @@ def scheduler_cleanup_finished(life: Lifecycle, original: Fn, originals: Mapping
         result = original(scheduler, finished_ids, *args, **kwargs)
         if record is not None:
             for event in served:
-                life.emit("sparse_route_served", event=event)
+                life.sparse_route_served(event)
             for rid in ids:
                 life.safe(life.depart, record, rid, DepartureReason.FINISHED)
         return result
@@ -148,8 +148,8 @@ def scheduler_do_abort_request(life: Lifecycle, original: Fn, originals: Mapping
         aborted = original(scheduler, request_id, *args, **kwargs)
         if record is not None and aborted:
             if served is not None:
-                life.emit("sparse_route_served", event=served)
-            life.emit("request_aborted", engine_id=record.engine_id, request_id=request_id)
+                life.sparse_route_served(served)
+            life.request_aborted(record, request_id)
             life.safe(life.depart, record, request_id, DepartureReason.ABORTED)
         return aborted
 
@@ -162,7 +162,7 @@ def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mappin
         record = life.get(scheduler)
         if record is not None:
             error, record.last_step_error = record.last_step_error or FAILED_ALL_ERROR, None
-            life.emit("engine_failed_all", engine_id=record.engine_id, error=error)
+            life.engine_failed_all(record, error)
             for rid in list(failed or ()):
                 life.safe(life.depart, record, rid, DepartureReason.FAILED)
             life.safe(life.sweep, record, scheduler, DepartureReason.FAILED)
@@ -178,7 +178,7 @@ def scheduler_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) 
     def reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None and not getattr(life.local, "deep_reset", False):
-            life.emit("engine_reset", engine_id=record.engine_id, deep=False)
+            life.engine_reset(record, deep=False)
         result = original(scheduler, *args, **kwargs)
         if record is not None:
             life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
@@ -191,7 +191,7 @@ def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, 
     def deep_reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None:
-            life.emit("engine_reset", engine_id=record.engine_id, deep=True)
+            life.engine_reset(record, deep=True)
         life.local.deep_reset = True
         try:
             return original(scheduler, *args, **kwargs)
@@ -207,7 +207,7 @@ def scheduler_shutdown(life: Lifecycle, original: Fn, originals: Mapping[str, Fn
     def shutdown(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None and life.safe(life.detach, record):
-            life.emit("engine_shutdown", engine_id=record.engine_id)
+            life.engine_shutdown(record)
         return original(scheduler, *args, **kwargs)
 
     return shutdown
@@ -219,7 +219,7 @@ def scheduler_recover_from_cache_error(life: Lifecycle, original: Fn, originals:
     def _recover_from_cache_error(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None:
-            life.emit("engine_reset", engine_id=record.engine_id, deep=False)
+            life.engine_reset(record, deep=False)
         return original(scheduler, *args, **kwargs)
 
     return _recover_from_cache_error
@@ -310,7 +310,7 @@ def engine_stop(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> F
         scheduler = getattr(engine, "scheduler", None)
         record = life.get(scheduler) if scheduler is not None else None
         if record is not None and life.safe(life.detach, record):
-            life.emit("engine_shutdown", engine_id=record.engine_id)
+            life.engine_shutdown(record)
         return await original(engine, *args, **kwargs)
 
     return stop
@@ -325,8 +325,8 @@ def engine_close(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> 
         if record is not None and not getattr(engine, "_closed", False):
             # oMLX stops an engine before closing it; a bare close() reports both too.
             if life.safe(life.detach, record):
-                life.emit("engine_shutdown", engine_id=record.engine_id)
-            life.emit("model_unloaded", engine_id=record.engine_id, model_id=record.port.model_id)
+                life.engine_shutdown(record)
+            life.model_unloaded(record)
         return original(engine, *args, **kwargs)
 
     return close
