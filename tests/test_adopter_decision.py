@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_recovery_plugin.adopter.decision import Reason, floor_to_block, plan_adoption
+from mlx_recovery_plugin.adopter.decision import Reason, plan_adoption
+from mlx_recovery_plugin.state import floor_block
 from mlx_recovery_plugin.adopter.ports import EntryLayout
 from mlx_recovery_plugin.settings import AdoptMode
 
@@ -97,6 +98,6 @@ def test_adopted_tokens_never_exceed_the_match_and_cuts_are_block_aligned(
     plan = plan_adoption(entry_tokens=entry, matched_tokens=matched, layout=layout)
     assert plan.adopt_tokens <= matched
     if plan.cut:
-        assert plan.adopt_tokens % block == 0 and plan.adopt_tokens == floor_to_block(matched, block)
+        assert plan.adopt_tokens % block == 0 and plan.adopt_tokens == floor_block(matched, block)
     if plan.adopted and not plan.cut:
         assert plan.adopt_tokens == entry == matched

@@ -11,7 +11,8 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ from mlx_recovery_plugin.recovery.budget import Budget
 from mlx_recovery_plugin.recovery.control import (
     ControlError,
     ControlServer,
-    budget_setter,
     default_socket_path,
     find_sockets,
     request,
@@ -29,6 +29,17 @@ from mlx_recovery_plugin.recovery.control import (
 from mlx_recovery_plugin.recovery.registry import ArrivalRegistry
 
 NOBODY = 65534
+
+
+
+def budget_setter(budget: Budget) -> Callable[[float], dict[str, Any]]:
+    """A ``set_budget`` callback that changes ``budget`` in place and answers with its snapshot."""
+
+    def set_budget(pct: float) -> dict[str, Any]:
+        budget.set_pct(pct)
+        return budget.snapshot()
+
+    return set_budget
 
 
 class Clock:

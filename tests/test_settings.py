@@ -27,7 +27,7 @@ def test_defaults_leave_recovery_off() -> None:
     assert s.idle_steps == 2
     assert s.slice_tokens is None
     assert s.adopter_mode is AdoptMode.CLONE
-    assert not s.recovery_enabled_for("any/model")
+    assert not (s.budget_pct > 0 and s.for_model("any/model").enabled)
 
 
 def test_per_model_json_keyed_by_ids_with_slashes_dashes_dots(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,15 +37,15 @@ def test_per_model_json_keyed_by_ids_with_slashes_dashes_dots(monkeypatch: pytes
         '{"mlx-community/Qwen3.5-0.8B-4bit": {"enabled": true, "slice_tokens": 512}}',
     )
     s = load_settings()
-    assert s.recovery_enabled_for("mlx-community/Qwen3.5-0.8B-4bit")
-    assert not s.recovery_enabled_for("other/model")
+    assert (s.budget_pct > 0 and s.for_model("mlx-community/Qwen3.5-0.8B-4bit").enabled)
+    assert not (s.budget_pct > 0 and s.for_model("other/model").enabled)
     assert s.slice_tokens_for("mlx-community/Qwen3.5-0.8B-4bit", host_prefill_step=2048) == 512
     assert s.slice_tokens_for("other/model", host_prefill_step=2048) == 2048
 
 
 def test_opted_in_model_stays_off_while_budget_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"m": {"enabled": true}}')
-    assert not load_settings().recovery_enabled_for("m")
+    assert not (load_settings().budget_pct > 0 and load_settings().for_model("m").enabled)
 
 
 def test_process_slice_size_overrides_host_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -142,11 +142,6 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return make_plugin_manager()
 
 
-def reset_plugin_manager() -> None:
-    """Forget the cached process plugin manager (tests, and a host's full restart)."""
-    get_plugin_manager.cache_clear()
-
-
 class HookEmitter:
     """Calls hooks for a host, one implementation at a time, so a failing plugin costs
     only its own work. Thread-safe: errors are counted under a lock."""

@@ -15,6 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from .state import BlockState
 
+# Every holder id the plugin takes host references under starts with this.
+HOLDER_PREFIX = "mlx-recovery"
+
 
 @dataclass(slots=True, frozen=True)
 class FetchedPrefix:

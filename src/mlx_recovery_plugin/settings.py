@@ -121,9 +121,6 @@ class RecoverySettings(BaseSettings):
     def idle_steps_for(self, model_id: str) -> int:
         return self.for_model(model_id).idle_steps or self.idle_steps
 
-    def recovery_enabled_for(self, model_id: str) -> bool:
-        return self.budget_pct > 0 and self.for_model(model_id).enabled
-
     @property
     def plugin_allow_list(self) -> frozenset[str]:
         return _names(self.plugins)

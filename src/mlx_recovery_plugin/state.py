@@ -23,6 +23,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlx.core as mx
 
+# ``BlockState.origin`` of blocks the plugin's runner computed.
+RECOVERY_ORIGIN = "recovery"
+
+
+def floor_block(tokens: int, block_size: int) -> int:
+    """``tokens`` rounded down to a whole number of blocks."""
+    return tokens - tokens % block_size
+
 
 @dataclass(slots=True, frozen=True)
 class KVBlock:

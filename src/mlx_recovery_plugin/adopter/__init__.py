@@ -1,6 +1,6 @@
 """Partial-prefix adoption: reuse the block-floored part of a partly matching stored entry."""
 
-from .decision import Plan, Reason, floor_to_block, plan_adoption
+from .decision import Plan, Reason, plan_adoption
 from .plugin import AdopterPlugin
 from .ports import (
     AdoptionError,
@@ -21,6 +21,5 @@ __all__ = [
     "Plan",
     "Reason",
     "ReleaseErrors",
-    "floor_to_block",
     "plan_adoption",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..settings import AdoptMode
+from ..state import floor_block
 from .ports import EntryLayout
 
 
@@ -33,9 +34,6 @@ class Reason(str, Enum):
     NO_STORE = "no_store"
 
 
-ADOPTED_REASONS = frozenset({Reason.WHOLE, Reason.PARTIAL})
-
-
 @dataclass(slots=True, frozen=True)
 class Plan:
     """``adopt_tokens`` to adopt (0: refused for ``reason``); ``cut`` when the adopted
@@ -48,10 +46,6 @@ class Plan:
     @property
     def adopted(self) -> bool:
         return self.adopt_tokens > 0
-
-
-def floor_to_block(tokens: int, block_size: int) -> int:
-    return tokens - tokens % block_size
 
 
 def plan_adoption(
@@ -76,7 +70,7 @@ def plan_adoption(
         return Plan(0, Reason.PINS_NOT_OWNED)
     if matched_tokens == entry_tokens and entry_tokens > 0:
         return Plan(entry_tokens, Reason.WHOLE)
-    target = floor_to_block(matched_tokens, block)
+    target = floor_block(matched_tokens, block)
     if target < max(min_prefix_tokens, 1):
         return Plan(0, Reason.BELOW_BLOCK_FLOOR)
     kept_blocks = target // block

@@ -161,14 +161,6 @@ def install(environ: Mapping[str, str] | None = None) -> PostImportFinder | None
         return None
 
 
-def uninstall() -> None:
-    """Remove the finder (tests, or a host that wants to opt out after start)."""
-    global _finder
-    if _finder is not None:
-        _finder.remove()
-        _finder = None
-
-
 def _instrumenting(adapter: Any) -> OnLoaded:
     def instrument(_module: ModuleType) -> None:
         adapter.instrument()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..settings import env_name
-from .budget import Budget, validate_pct
+from .budget import validate_pct
 
 log = logging.getLogger(__name__)
 
@@ -339,17 +339,6 @@ class ControlServer:
         except OSError:
             pass
         self._inode = None
-
-
-def budget_setter(budget: Budget) -> SetBudgetFn:
-    """A ``set_budget`` callback for :class:`ControlServer` that changes ``budget`` in
-    place and answers with its snapshot."""
-
-    def set_budget(pct: float) -> dict[str, Any]:
-        budget.set_pct(pct)
-        return budget.snapshot()
-
-    return set_budget
 
 
 # -- client ------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class RunnableGate:
     raises gives :data:`HOST_ERROR`.
 
     ``opted_in`` and ``idle_steps_for`` take the engine's **model id** (as
-    :meth:`RecoverySettings.recovery_enabled_for` and ``idle_steps_for`` do).
+    :meth:`RecoverySettings.for_model` and ``idle_steps_for`` do).
     """
 
     def __init__(

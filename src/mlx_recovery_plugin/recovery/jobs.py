@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from ..state import floor_block
 from .costs import SparseSample
 
 if TYPE_CHECKING:
@@ -48,9 +49,9 @@ class Relation(str, Enum):
     UNRELATED = "unrelated"
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Number of leading tokens ``a`` and ``b`` share (at most ``limit``)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
     i = 0
     # Compare in chunks first: conversations share long prefixes, token loops are slow.
     step = 256
@@ -71,10 +72,6 @@ def relate(job_tokens: Sequence[int], new_tokens: Sequence[int], block_size: int
     if shared >= block_size and 2 * shared >= len(job_tokens):
         return Relation.FORKS
     return Relation.UNRELATED
-
-
-def floor_block(n: int, block_size: int) -> int:
-    return n - n % block_size
 
 
 @dataclass(slots=True, eq=False)

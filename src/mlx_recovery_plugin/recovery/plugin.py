@@ -25,7 +25,7 @@ from ..hookspecs import hookimpl
 from ..ports import EnginePort
 from ..settings import RecoverySettings, load_settings
 from .budget import Budget
-from .control import ControlError, ControlServer, resolve_socket_path
+from .control import CONTROL_SOCKET_OFF, ControlError, ControlServer, resolve_socket_path
 from .gate import RunnableGate, memory_probe
 from .registry import ArrivalRegistry
 from .service import EngineRecovery, RunnerFactory, default_runner_factory
@@ -34,7 +34,6 @@ from .status import ProcessStatus, export_counters
 log = logging.getLogger(__name__)
 
 # Values of MLX_RECOVERY_CONTROL_SOCKET that turn the control channel off.
-CONTROL_SOCKET_OFF = frozenset({"off", "none", "disabled", "false", "0"})
 
 
 class RecoveryPlugin:

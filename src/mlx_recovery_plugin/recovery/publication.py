@@ -18,9 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..ports import FetchedPrefix, PrefixCachePort
-from ..state import BlockState
+from ..state import RECOVERY_ORIGIN, BlockState
 
-RECOVERY_ORIGIN = "recovery"
 
 
 class PublicationError(RuntimeError):

@@ -152,12 +152,6 @@ class ArrivalRegistry:
         with self._lock:
             return len(self._live.get(engine_id, ()))
 
-    @property
-    def arrival_count(self) -> int:
-        """Arrivals since creation; a change means foreground work came in meanwhile."""
-        with self._lock:
-            return self._arrivals
-
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {

@@ -30,14 +30,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..events import SparseRouteServed
-from ..ports import EnginePort, FetchedPrefix, ModelHandle
+from ..ports import HOLDER_PREFIX, EnginePort, FetchedPrefix, ModelHandle
 from ..settings import PublishPolicy, RecoverySettings
-from ..state import BlockState
+from ..state import BlockState, floor_block
 from . import gate as reasons
 from .budget import Budget
 from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
 from .gate import RunnableGate
-from .jobs import JobBook, Relation, RecoveryJob, floor_block
+from .jobs import JobBook, Relation, RecoveryJob
 from .publication import PublicationError, publish
 from .status import EngineCounters, EngineStatus, JobStatus
 
@@ -69,7 +69,6 @@ PARK_MAX_ATTEMPTS = 5
 # How long a cancellation from another thread waits for a running slice to stop.
 CANCEL_WAIT_S = 2.0
 
-HOLDER_PREFIX = "mlx-recovery"
 
 _OOM_MARKERS = ("out of memory", "unable to allocate", "bad_alloc", "outofmemory", "oom")
 

@@ -41,10 +41,9 @@ from ..kvcodec import (
     kv_positions,
     recurrent_snapshot,
 )
-from ..state import BlockState, KVBlock, LayerBlock
+from ..state import RECOVERY_ORIGIN, BlockState, KVBlock, LayerBlock
 from . import blas, gate
 
-RECOVERY_ORIGIN = "recovery"
 
 # Interruptible slices run in forward passes of at most this many tokens, so an arrival
 # waits for one layer of one such pass.

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ArraysCache
 from ..adopter.ports import EntryLayout, PinError, PinsNotOwnedError, ReleaseErrors
 from ..events import PrefixLookup
 from ..plugins import HookEmitter
+from ..recovery.jobs import common_prefix_len
 from ..kvcodec import (
     blocks_from_cache,
     cache_from_blocks,
@@ -191,12 +192,12 @@ class DetachedStore:
         best, best_len = None, 0
         with self._lock:
             for entry in self._by_first_block.get(prompt[: self.block_size], {}).values():
-                n = _common_prefix(entry.tokens, prompt, limit)
+                n = common_prefix_len(entry.tokens, prompt, limit)
                 if n > best_len or (n == best_len and best is not None and n == entry.length):
                     best, best_len = entry, n
             if best is None:
                 for entry in self._entries.values():
-                    n = _common_prefix(entry.tokens, prompt, limit)
+                    n = common_prefix_len(entry.tokens, prompt, limit)
                     if n > best_len:
                         best, best_len = entry, n
         return best, best_len
@@ -417,20 +418,6 @@ def _as_set(entry: object) -> DetachedSet:
     if not isinstance(entry, DetachedSet):
         raise TypeError(f"not a detached set of this store: {type(entry).__name__}")
     return entry
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] holds; a[:hi] differs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _tail_block(cache: Sequence[Any], index: int, start: int, end: int) -> BlockState:

@@ -24,6 +24,8 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, Field
 
+from ...recovery.control import SetBudgetFn, StatusFn
+
 log = logging.getLogger(__name__)
 
 ROUTE_PREFIX = "/admin/api/recovery"
@@ -31,8 +33,6 @@ ROUTE_PREFIX = "/admin/api/recovery"
 # Apps that already have the routes (FastAPI may keep an included router as one entry).
 _attached: weakref.WeakSet[Any] = weakref.WeakSet()
 
-StatusFn = Callable[[], dict[str, Any]]
-SetBudgetFn = Callable[[float], dict[str, Any]]
 
 
 class BudgetChange(BaseModel):

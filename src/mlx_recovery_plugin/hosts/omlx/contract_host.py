@@ -34,7 +34,8 @@ import pluggy
 from ...plugins import make_plugin_manager
 from ...settings import RecoverySettings
 from .instrumentor import OmlxInstrumentor
-from .ports import HOLDER_PREFIX, OmlxEngine
+from ...ports import HOLDER_PREFIX
+from .ports import OmlxEngine
 from .session import make_request
 
 _names = itertools.count(1)
@@ -248,7 +249,7 @@ class OmlxContractHost:
         for holder in self._engine.prefix_cache.holders():
             refs[f"port holder {holder}"] = "held"
         for table_id in list(self.pool.request_tables):
-            if str(table_id).startswith(HOLDER_PREFIX):
+            if str(table_id).startswith(f"{HOLDER_PREFIX}/"):
                 refs[f"table {table_id}"] = "open"
         return refs
 

@@ -209,9 +209,6 @@ class OmlxInstrumentor:
         record = self._life.get(scheduler) if self._life is not None else None
         return record.port if record is not None else None
 
-    def engines(self) -> list[OmlxEngine]:
-        return [r.port for r in self._life.records()] if self._life is not None else []
-
     def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
         record = self._life.get(scheduler) if self._life is not None else None
         return record.driver.snapshot() if record is not None else None

@@ -37,13 +37,12 @@ from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from ...ports import FetchedPrefix
+from ...ports import HOLDER_PREFIX, FetchedPrefix
 from ...kvcodec import UnsupportedCacheError, blocks_from_cache
 from ...state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
 
 log = logging.getLogger(__name__)
 
-HOLDER_PREFIX = "mlx-recovery/"
 _table_ids = itertools.count(1)
 
 
@@ -231,7 +230,7 @@ class OmlxPrefixCache:
         return None if scheduler is None else scheduler.block_aware_cache
 
     def _new_table_id(self, holder_id: str) -> str:
-        return f"{HOLDER_PREFIX}{self._engine_id}/{holder_id}/{next(_table_ids)}"
+        return f"{HOLDER_PREFIX}/{self._engine_id}/{holder_id}/{next(_table_ids)}"
 
     @staticmethod
     def _drop_table(cache: Any, table_id: str) -> None:
