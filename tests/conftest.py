@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, write_tiny_model
+from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +28,14 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(
         tmp_path_factory.mktemp("tiny-draft"), TinyModelSpec(arch="llama", num_layers=1, seed=7)
     )
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir: Path, tiny_draft_dir: Path) -> tuple[Any, Any, Any]:
+    """The tiny llama (model, tokenizer) and the draft model, loaded once per module."""
+    model, tokenizer = load_tiny_model(tiny_llama_dir)
+    draft, _ = load_tiny_model(tiny_draft_dir)
+    return model, tokenizer, draft
 
 
 def token_run(n: int, seed: int = 0) -> list[int]:

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_recovery_plugin.adopter.decision import Reason, plan_adoption
-from mlx_recovery_plugin.state import floor_block
 from mlx_recovery_plugin.adopter.ports import EntryLayout
 from mlx_recovery_plugin.settings import AdoptMode
+from mlx_recovery_plugin.state import floor_block
 
 B = 16
 

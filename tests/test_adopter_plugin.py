@@ -134,7 +134,7 @@ def test_failed_pin_rolls_back_counts_pin_failed_and_goes_cold(
 def test_trim_mode_takes_and_cuts_releasing_dropped_blocks_fully(
     make_store: MakeStore, pool: BlockPool
 ) -> None:
-    store, plugin = make_store(_settings(adopter_mode="trim"))
+    store, _ = make_store(_settings(adopter_mode="trim"))
     entry = store.store(LONG)
     dropped = entry.block_ids[4:]
     admission = store.admit("r", _sibling(70))

@@ -8,7 +8,6 @@ import pytest
 
 from mlx_recovery_plugin.bench.balance import LLAMA3_8B, RealShape, measure_balance, reference_ratio
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model, write_tiny_model
-
 from test_runner import LFM2_SPEC
 
 

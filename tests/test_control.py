@@ -12,8 +12,8 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -358,12 +358,14 @@ def test_commands_explain_when_no_server_is_running(socket_dirs: list[Path], cap
 def test_commands_ask_which_one_when_several_servers_run(
     socket_dirs: list[Path], budget: Budget, capsys
 ) -> None:
-    with ControlServer(control.default_socket_path(71), dict, budget_setter(budget)) as a:
-        with ControlServer(control.default_socket_path(72), dict, budget_setter(budget)) as b:
-            args = cli("status")
-            assert args.func(args) == 1
-            err = capsys.readouterr().err
-            assert "several" in err and a.path in err and b.path in err
+    with (
+        ControlServer(control.default_socket_path(71), dict, budget_setter(budget)) as a,
+        ControlServer(control.default_socket_path(72), dict, budget_setter(budget)) as b,
+    ):
+        args = cli("status")
+        assert args.func(args) == 1
+        err = capsys.readouterr().err
+        assert "several" in err and a.path in err and b.path in err
 
 
 def test_the_configured_socket_is_used_when_none_is_given(

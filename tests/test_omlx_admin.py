@@ -12,15 +12,15 @@ omlx = pytest.importorskip(
 )
 pytest.importorskip("fastapi", reason="oMLX's admin API needs FastAPI")
 
-from fastapi import FastAPI  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
-from omlx.admin.auth import SESSION_COOKIE_NAME, create_session_token  # noqa: E402
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from omlx.admin.auth import SESSION_COOKIE_NAME, create_session_token
 
-from mlx_recovery_plugin.hosts.omlx import OmlxInstrumentor  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.admin import ROUTE_PREFIX, attach_admin_routes  # noqa: E402
-from mlx_recovery_plugin.plugins import make_plugin_manager  # noqa: E402
-from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin  # noqa: E402
-from mlx_recovery_plugin.settings import RecoverySettings  # noqa: E402
+from mlx_recovery_plugin.hosts.omlx import OmlxInstrumentor
+from mlx_recovery_plugin.hosts.omlx.admin import ROUTE_PREFIX, attach_admin_routes
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.settings import RecoverySettings
 
 
 @pytest.fixture

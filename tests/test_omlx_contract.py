@@ -12,9 +12,9 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost  # noqa: E402
-from mlx_recovery_plugin.testing.contract import HostContractSuite  # noqa: E402
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
+from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
+from mlx_recovery_plugin.testing.contract import HostContractSuite
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_recovery_plugin.events import IdleStep  # noqa: E402
-from mlx_recovery_plugin.hookspecs import hookimpl  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.idle_driver import IdleDriver  # noqa: E402
-from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens  # noqa: E402
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
+from mlx_recovery_plugin.events import IdleStep
+from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
+from mlx_recovery_plugin.hosts.omlx.idle_driver import IdleDriver
+from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 
 class FakeClock:

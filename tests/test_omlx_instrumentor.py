@@ -14,33 +14,33 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from omlx.engine_core import EngineCore  # noqa: E402
-from omlx.scheduler import Scheduler  # noqa: E402
+from omlx.engine_core import EngineCore
+from omlx.scheduler import Scheduler
 
-from mlx_recovery_plugin.hookspecs import hookimpl  # noqa: E402
-from mlx_recovery_plugin.hosts import (  # noqa: E402
+from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.hosts import (
     HostAdapter,
     instrument_installed_hosts,
     load_host_adapters,
     uninstrument_all_hosts,
 )
-from mlx_recovery_plugin.hosts.omlx import OmlxInstrumentor, version_supported  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.instrumentor import (  # noqa: E402
+from mlx_recovery_plugin.hosts.omlx import OmlxInstrumentor, version_supported
+from mlx_recovery_plugin.hosts.omlx.instrumentor import (
     ENGINE_CORE_METHODS,
     SCHEDULER_METHODS,
     iter_wrapped,
     parse_version,
 )
-from mlx_recovery_plugin.hosts.omlx.session import (  # noqa: E402
+from mlx_recovery_plugin.hosts.omlx.session import (
     OmlxServeConfig,
     make_request,
     make_scheduler,
     serve,
 )
-from mlx_recovery_plugin.plugins import make_plugin_manager  # noqa: E402
-from mlx_recovery_plugin.settings import RecoverySettings  # noqa: E402
-from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens  # noqa: E402
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 CONFIG = OmlxServeConfig(model_id="tiny", block_size=64, prefill_step=128, max_cache_blocks=256)
 

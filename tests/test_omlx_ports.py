@@ -14,10 +14,10 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_recovery_plugin.hosts.omlx.ports import OmlxEngine, model_id_of  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.session import (  # noqa: E402
+from mlx_recovery_plugin.hosts.omlx.ports import OmlxEngine, model_id_of
+from mlx_recovery_plugin.hosts.omlx.session import (
     OmlxServeConfig,
     held_references,
     make_request,
@@ -25,11 +25,11 @@ from mlx_recovery_plugin.hosts.omlx.session import (  # noqa: E402
     serve,
     wait_for_cache_writes,
 )
-from mlx_recovery_plugin.ports import EnginePort, ModelHandle, PrefixCachePort  # noqa: E402
-from mlx_recovery_plugin.kvcodec import blocks_from_cache  # noqa: E402
-from mlx_recovery_plugin.state import BlockState, KVBlock  # noqa: E402
-from mlx_recovery_plugin.testing.contract import contract_tokens  # noqa: E402
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
+from mlx_recovery_plugin.kvcodec import blocks_from_cache
+from mlx_recovery_plugin.ports import EnginePort, ModelHandle, PrefixCachePort
+from mlx_recovery_plugin.state import BlockState, KVBlock
+from mlx_recovery_plugin.testing.contract import contract_tokens
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 BLOCK = 64
 CONFIG = OmlxServeConfig(model_id="tiny", block_size=BLOCK, prefill_step=128, max_cache_blocks=512)

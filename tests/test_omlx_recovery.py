@@ -15,15 +15,15 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_recovery_plugin.hookspecs import hookimpl  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost  # noqa: E402
-from mlx_recovery_plugin.hosts.omlx.session import OmlxArm, OmlxServeConfig  # noqa: E402
-from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle  # noqa: E402
-from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin  # noqa: E402
-from mlx_recovery_plugin.recovery.service import default_runner_factory  # noqa: E402
-from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings  # noqa: E402
-from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens, stored_tokens  # noqa: E402
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model  # noqa: E402
+from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
+from mlx_recovery_plugin.hosts.omlx.session import OmlxArm, OmlxServeConfig
+from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.recovery.service import default_runner_factory
+from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
+from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens, stored_tokens
+from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 BLOCK = 64
 THRESHOLD = 256  # prompts whose uncached part is longer take the sparse route
@@ -260,7 +260,7 @@ def test_unload_while_a_slice_holds_restored_blocks_leaves_no_reference(setup: A
 def test_reset_in_the_middle_of_a_recovery_job_leaves_no_reference_and_recovery_goes_on(
     setup: Any, hold: Hold
 ) -> None:
-    host, plugin, recorder, signals = setup
+    host, plugin, _, _ = setup
     first = contract_tokens(12 * BLOCK, seed=7)
     sparse = host.submit(first, max_tokens=4, sparse=True)
     host.run_until_idle()

@@ -18,8 +18,8 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_recovery_plugin.hosts import startup  # noqa: E402
-from mlx_recovery_plugin.hosts.startup import PostImportFinder, enabled, install  # noqa: E402
+from mlx_recovery_plugin.hosts import startup
+from mlx_recovery_plugin.hosts.startup import PostImportFinder, enabled, install
 
 HOOKS_DIR = Path(__file__).resolve().parents[1] / "hooks"
 PTH = HOOKS_DIR / "mlx_recovery_plugin.pth"

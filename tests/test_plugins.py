@@ -144,7 +144,7 @@ class Wrapping:
 
 
 def test_a_hook_wrapper_is_refused_with_the_reason_not_left_uncalled() -> None:
-    with pytest.raises(PluginLoadError, match="hook wrappers are not supported.*request_arrived"):
+    with pytest.raises(PluginLoadError, match=r"hook wrappers are not supported.*request_arrived"):
         make_plugin_manager([Wrapping()], settings=RecoverySettings(), entry_points_too=False)
 
 

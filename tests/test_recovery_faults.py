@@ -18,7 +18,6 @@ from mlx_recovery_plugin.recovery.service import PARK_BASE_S
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.host import MockHost
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 B = 64
 STEP = 128
@@ -122,12 +121,6 @@ class Run:
     runners: list[FaultyRunner]
     outputs: list[tuple[int, ...]]
 
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir, tiny_draft_dir) -> tuple[Any, Any, Any]:
-    model, tokenizer = load_tiny_model(tiny_llama_dir)
-    draft, _ = load_tiny_model(tiny_draft_dir)
-    return model, tokenizer, draft
 
 
 def session(

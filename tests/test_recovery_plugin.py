@@ -22,7 +22,6 @@ from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.host import MockHost
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 B = 64
 STEP = 128
@@ -106,12 +105,6 @@ class Rig:
         return self.plugin.status()["engines"][engine_id]
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir, tiny_draft_dir) -> tuple[Any, Any, Any]:
-    model, tokenizer = load_tiny_model(tiny_llama_dir)
-    draft, _ = load_tiny_model(tiny_draft_dir)
-    return model, tokenizer, draft
-
 
 @pytest.fixture
 def make_rig(loaded):
@@ -155,7 +148,7 @@ def make_rig(loaded):
 @pytest.fixture(scope="module")
 def cold(loaded):
     """Dense results of a host that has never stored anything (a new engine per prompt)."""
-    model, tokenizer, draft = loaded
+    model, tokenizer, _ = loaded
     host = MockHost(make_plugin_manager([], settings=make_settings(), entry_points_too=False))
     made = iter(range(1_000_000))
 

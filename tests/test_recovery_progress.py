@@ -15,7 +15,7 @@ from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.host import MockHost
-from test_recovery_plugin import FakeClock, loaded, toks  # noqa: F401 - fixture
+from test_recovery_plugin import FakeClock, toks
 
 MODEL = "tiny"
 

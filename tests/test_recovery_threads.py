@@ -11,14 +11,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
-
 from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.host import MockHost
-from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 B = 64
 MODEL = "tiny"
@@ -64,12 +61,6 @@ class BlockingRunner:
             self.open.discard(id(live))
         self.inner.discard(live)
 
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir, tiny_draft_dir) -> tuple[Any, Any, Any]:
-    model, tokenizer = load_tiny_model(tiny_llama_dir)
-    draft, _ = load_tiny_model(tiny_draft_dir)
-    return model, tokenizer, draft
 
 
 def build(loaded, engines: Sequence[str]) -> tuple[MockHost, RecoveryPlugin, list[BlockingRunner]]:

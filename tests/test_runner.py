@@ -17,12 +17,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
+from mlx_recovery_plugin.kvcodec import UnsupportedCacheError, cache_arrays, cache_from_blocks
 from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle
 from mlx_recovery_plugin.runner import LiveState, SliceRunner
-from mlx_recovery_plugin.kvcodec import UnsupportedCacheError, cache_arrays, cache_from_blocks
 from mlx_recovery_plugin.state import BlockState
-from mlx_recovery_plugin.testing.caches import caches_equal, logical_state
 from mlx_recovery_plugin.testing import BlockPool, LoadedModel, PagedPrefixCache
+from mlx_recovery_plugin.testing.caches import caches_equal, logical_state
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
 
 BLOCK = 64

@@ -3,4 +3,4 @@
 from .hookspecs import hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["hookimpl", "__version__"]
+__all__ = ["__version__", "hookimpl"]

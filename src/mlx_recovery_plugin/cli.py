@@ -44,7 +44,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     width = max(len(r.variable) for r in rows)
     for r in rows:
         value = json.dumps(r.value) if isinstance(r.value, dict) else r.value
-        print(f"{r.variable:<{width}}  {str(value):<14} ({r.source})  {r.description}")
+        print(f"{r.variable:<{width}}  {value!s:<14} ({r.source})  {r.description}")
     return 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from .state import BlockState, KVBlock, RecurrentSnapshot
+from .state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
 
 
 class UnsupportedCacheError(TypeError):

@@ -115,7 +115,7 @@ def run_interference_bench(
             waits[config].append(max(0.0, during - baseline))
             if not config[1]:
                 whole_slice[config[0]].append(longest)
-            progress(f"trial {trial + 1}/{trials} slice {config[0]:>5} interruptible {str(config[1]):<5} "
+            progress(f"trial {trial + 1}/{trials} slice {config[0]:>5} interruptible {config[1]!s:<5} "
                      f"ttft during {during:.3f}s baseline {baseline:.3f}s longest slice {longest:.3f}s")
     return [InterferenceRow(s, i, spread(waits[(s, i)]), spread(whole_slice[s]).median) for s, i in configs]
 
@@ -127,7 +127,7 @@ def format_rows(rows: list[InterferenceRow]) -> str:
              f"{'slice':>6} {'interruptible':>13} | {'extra wait s: median [min, max]':<36} | {'slice s':>8} | worst/slice",
              "(slice s: the longest whole slice of a trial, median over trials)"]
     for r in rows:
-        lines.append(f"{r.slice_tokens:>6} {str(r.interruptible):>13} | {str(r.extra_wait):<36} | "
+        lines.append(f"{r.slice_tokens:>6} {r.interruptible!s:>13} | {r.extra_wait!s:<36} | "
                      f"{r.slice_seconds:>8.3f} | {r.worst_fraction_of_slice:.2f}")
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ import sys
 from ..testing.tiny_model import TinyModelSpec
 from .session import SessionSpec
 
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo",
@@ -69,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.sparse_threshold is not None:
         config.serve = dataclasses.replace(config.serve, sparse_threshold=args.sparse_threshold)
     if args.host == "omlx":
-        from ..hosts.omlx.session import run_omlx_demo  # noqa: PLC0415 - needs oMLX installed
+        from ..hosts.omlx.session import run_omlx_demo
 
         report = run_omlx_demo(config, progress=progress_to_stderr)
     else:

@@ -14,11 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TOOLS = ("read_file", "grep", "run_tests", "list_dir", "git_diff", "search_docs")
-WORDS = (
-    "scheduler cache block prefix engine token request slice budget window model layer "
-    "stream thread queue arrival departure lookup publish probe release store fetch "
-    "recovery adopter sparse dense route draft keep ratio boundary commit lineage job"
-).split()
+WORDS = ["scheduler", "cache", "block", "prefix", "engine", "token", "request", "slice", "budget", "window", "model", "layer", "stream", "thread", "queue", "arrival", "departure", "lookup", "publish", "probe", "release", "store", "fetch", "recovery", "adopter", "sparse", "dense", "route", "draft", "keep", "ratio", "boundary", "commit", "lineage", "job"]
 
 
 @dataclass(slots=True, frozen=True)

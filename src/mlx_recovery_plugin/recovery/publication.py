@@ -21,7 +21,6 @@ from ..ports import FetchedPrefix, PrefixCachePort
 from ..state import RECOVERY_ORIGIN, BlockState
 
 
-
 class PublicationError(RuntimeError):
     """Publication failed; ``kind`` names the fault for the status counters."""
 
@@ -115,14 +114,14 @@ def publish(
 
     try:
         stored = cache.store(holder_id, lineage, marked)
-    except Exception as exc:  # noqa: BLE001 - any host failure is a store fault
+    except Exception as exc:
         raise StoreError(f"store of {len(marked)} blocks up to {boundary} failed: {exc!r}") from exc
     if stored < boundary:
         raise StoreRefused(f"store holds {stored} of {boundary} published tokens")
 
     try:
         restored = probe_restorable(cache, probe_id, lineage)
-    except Exception as exc:  # noqa: BLE001 - any host failure is a fetch fault
+    except Exception as exc:
         raise ProbeFetchError(f"read-back of {boundary} tokens failed: {exc!r}") from exc
     if restored < boundary:
         raise ProbeMismatch(f"read-back restored {restored} of {boundary} published tokens")

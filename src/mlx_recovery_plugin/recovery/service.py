@@ -37,7 +37,7 @@ from . import gate as reasons
 from .budget import Budget
 from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
 from .gate import RunnableGate
-from .jobs import JobBook, Relation, RecoveryJob
+from .jobs import JobBook, RecoveryJob, Relation
 from .publication import PublicationError, publish
 from .status import EngineCounters, EngineStatus, JobStatus
 
@@ -196,7 +196,7 @@ class EngineRecovery:
             return RETRY_S  # a cancellation from another thread is cleaning up
         try:
             return self._idle_step(consecutive)
-        except Exception as exc:  # noqa: BLE001 - never into the host's step
+        except Exception as exc:
             log.error("mlx-recovery: engine %s idle step failed: %r", self.engine_id, exc, exc_info=exc)
             self._count_fault(INTERNAL_ERROR)
             self._retire_live()

@@ -29,12 +29,11 @@ from typing import Any
 import mlx.core as mx
 
 from ..bench.stats import describe as describe_samples
-from ..ports import FetchedPrefix
 from ..kvcodec import cache_arrays
+from ..ports import FetchedPrefix
 from ..state import BlockState
 from . import blas
 from .runner import SliceRunner
-
 
 
 @dataclass(slots=True)

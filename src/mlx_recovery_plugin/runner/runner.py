@@ -44,7 +44,6 @@ from ..kvcodec import (
 from ..state import RECOVERY_ORIGIN, BlockState, KVBlock, LayerBlock
 from . import blas, gate
 
-
 # Interruptible slices run in forward passes of at most this many tokens, so an arrival
 # waits for one layer of one such pass.
 STOP_GRAIN = 256
@@ -118,7 +117,7 @@ def model_dtype(model: Any) -> mx.Dtype | None:
         for _, value in tree_flatten(model.parameters()):
             if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
                 return value.dtype
-    except Exception:  # an exotic model object: just skip the BLAS hint
+    except Exception:  # noqa: BLE001 - an exotic model object: just skip the BLAS hint
         return None
     return None
 
@@ -318,4 +317,4 @@ class SliceRunner:
         )
 
 
-__all__ = ["LiveState", "SliceOutcome", "SliceRunner", "RECOVERY_ORIGIN"]
+__all__ = ["RECOVERY_ORIGIN", "LiveState", "SliceOutcome", "SliceRunner"]

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -394,7 +394,7 @@ class EventOrderTests(_ContractBase):
         host = contract_host
         host.abort("no-such-request")
         host.run_until_idle()
-        rid, result = self.serve(host, self.prompt(host, 1.25, seed=4))
+        _, result = self.serve(host, self.prompt(host, 1.25, seed=4))
         assert len(result.output_tokens) > 0
         assert event_recorder.named("request_aborted") == []
 

@@ -30,8 +30,6 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..adopter.ports import EntryLayout, PinError, PinsNotOwnedError, ReleaseErrors
 from ..events import PrefixLookup
-from ..plugins import HookEmitter
-from ..recovery.jobs import common_prefix_len
 from ..kvcodec import (
     blocks_from_cache,
     cache_from_blocks,
@@ -39,6 +37,8 @@ from ..kvcodec import (
     kv_positions,
     recurrent_snapshot,
 )
+from ..plugins import HookEmitter
+from ..recovery.jobs import common_prefix_len
 from ..state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
 from .block_pool import BlockPool, PoolExhaustedError
 

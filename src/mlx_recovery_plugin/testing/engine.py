@@ -45,8 +45,8 @@ from ..events import (
     RequestDeparted,
     SparseRouteServed,
 )
-from ..plugins import HookEmitter
 from ..kvcodec import UnsupportedCacheError, blocks_from_cache, cache_from_blocks
+from ..plugins import HookEmitter
 from .block_pool import BlockPool
 from .prefix_cache import PagedPrefixCache
 
@@ -373,7 +373,7 @@ class MockEngine:
             self._apply_commands()
             self._schedule_waiting()
             self._run_once()
-        except Exception as exc:  # noqa: BLE001 - the loop must survive, like the host's
+        except Exception as exc:
             log.exception("mlx-recovery mock: step of engine %r failed", self.engine_id)
             self._fail_in_flight(f"{type(exc).__name__}: {exc}")
         finally:

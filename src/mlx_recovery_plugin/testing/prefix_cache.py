@@ -214,7 +214,7 @@ class PagedPrefixCache:
 
     def _evict_one(self) -> bool:
         """Evict the least recently used leaf that only the index references."""
-        for key, entry in self._index.items():
+        for key, entry in self._index.items():  # noqa: B007 - the key found is deleted below
             if entry.children == 0 and self.pool.holders(entry.block_id) == {INDEX_HOLDER: 1}:
                 break
         else:

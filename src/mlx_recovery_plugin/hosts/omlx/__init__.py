@@ -5,4 +5,4 @@ Importing this package does not import oMLX; :meth:`OmlxInstrumentor.instrument`
 
 from .instrumentor import SUPPORTED_VERSIONS, OmlxInstrumentor, version_supported
 
-__all__ = ["OmlxInstrumentor", "SUPPORTED_VERSIONS", "version_supported"]
+__all__ = ["SUPPORTED_VERSIONS", "OmlxInstrumentor", "version_supported"]

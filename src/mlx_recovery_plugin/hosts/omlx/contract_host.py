@@ -32,9 +32,9 @@ from typing import Any
 import pluggy
 
 from ...plugins import make_plugin_manager
+from ...ports import HOLDER_PREFIX
 from ...settings import RecoverySettings
 from .instrumentor import OmlxInstrumentor
-from ...ports import HOLDER_PREFIX
 from .ports import OmlxEngine
 from .session import make_request
 

@@ -307,7 +307,7 @@ class Lifecycle:
         into oMLX, and reads as None."""
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
             if key not in self._reported:
                 self._reported.add(key)

@@ -37,8 +37,8 @@ from typing import Any
 
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from ...ports import HOLDER_PREFIX, FetchedPrefix
 from ...kvcodec import UnsupportedCacheError, blocks_from_cache
+from ...ports import HOLDER_PREFIX, FetchedPrefix
 from ...state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
 
 log = logging.getLogger(__name__)
