@@ -41,11 +41,11 @@ def has_recurrent_layers(cache: Sequence[Any]) -> bool:
 # -- reading positions out of a live cache ----------------------------------------------
 
 
-def window(layer: RotatingKVCache) -> tuple[mx.array, mx.array, list[int]]:
+def window(layer: RotatingKVCache) -> tuple[mx.array | None, mx.array | None, list[int]]:
     """A sliding-window cache's buffer in temporal order, and the position of each slot.
 
     Mirrors the order mlx-lm itself restores before it appends: the ``keep`` sink
-    positions first, then the rest oldest to newest.
+    positions first, then the rest oldest to newest. An empty cache has no buffer (None).
     """
     keys, values = layer.keys, layer.values
     if keys is None:
@@ -83,7 +83,7 @@ def kv_positions(layer: Any, start: int, end: int) -> tuple[mx.array, mx.array]:
         keys, values, positions = window(layer)
         first = slot_of(positions, start)
         last = slot_of(positions, end - 1)
-        if first is None or last is None or last - first != end - 1 - start:
+        if keys is None or values is None or first is None or last is None or last - first != end - 1 - start:
             held = f"{positions[0]}..{positions[-1]}" if positions else "nothing"
             raise ValueError(
                 f"positions [{start}, {end}) left the sliding window (it holds {held})"

@@ -161,7 +161,7 @@ def _peer_uid(sock: socket.socket) -> int | None:
         _pid, uid, _gid = struct.unpack("3i", raw)
     except OSError:
         return None
-    return uid
+    return int(uid)
 
 
 class _Handler(socketserver.StreamRequestHandler):

@@ -218,8 +218,7 @@ class JobBook:
                 job.drop_held_below(job.committed, self.block_size)
                 job.stood_down = None  # a new turn, new measurements: judge again
                 job.served_seq = next(self._seq)
-                dropped = self._drop_redundant(keep=job)
-                return Offer(relation, job, dropped)
+                return Offer(relation, job, self._drop_redundant(keep=job))
             if relation is Relation.CONTAINED:
                 job.target_end = max(job.target_end, served_end)
                 job.served_seq = next(self._seq)

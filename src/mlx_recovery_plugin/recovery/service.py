@@ -74,10 +74,14 @@ _OOM_MARKERS = ("out of memory", "unable to allocate", "bad_alloc", "outofmemory
 
 
 class SliceOutcomeLike(Protocol):
-    blocks: list[BlockState]
-    tokens_run: int
-    interrupted: bool
-    seconds: float
+    @property
+    def blocks(self) -> list[BlockState]: ...
+
+    @property
+    def tokens_run(self) -> int: ...
+
+    @property
+    def interrupted(self) -> bool: ...
 
 
 class SliceRunnerLike(Protocol):
