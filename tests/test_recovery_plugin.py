@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_recovery_plugin.plugins import make_plugin_manager
-from mlx_recovery_plugin.recovery import gate as reasons
+from mlx_recovery_plugin.recovery import runnable as reasons
 from mlx_recovery_plugin.recovery.control import request
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner

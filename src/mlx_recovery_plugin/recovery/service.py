@@ -33,10 +33,10 @@ from ..events import SparseRouteServed
 from ..ports import HOLDER_PREFIX, EnginePort, FetchedPrefix, ModelHandle
 from ..settings import PublishPolicy, RecoverySettings
 from ..state import BlockState, floor_block
-from . import gate as reasons
+from . import runnable as reasons
 from .budget import Budget
 from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
-from .gate import RunnableGate
+from .runnable import RunnableGate
 from .jobs import JobBook, RecoveryJob, Relation
 from .publication import PublicationError, publish
 from .status import EngineCounters, EngineStatus, JobStatus

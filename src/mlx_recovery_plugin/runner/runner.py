@@ -42,7 +42,7 @@ from ..kvcodec import (
     recurrent_snapshot,
 )
 from ..state import RECOVERY_ORIGIN, BlockState, KVBlock, LayerBlock
-from . import blas, gate
+from . import blas, layer_stop
 
 # Interruptible slices run in forward passes of at most this many tokens, so an arrival
 # waits for one layer of one such pass.
@@ -199,28 +199,28 @@ class SliceRunner:
         if end == live.offset:
             return SliceOutcome([], 0, False, self._clock() - started)
         start = live.offset
-        stop_gate = gate.StopGate(should_stop) if self.interruptible and should_stop else None
+        stop_gate = layer_stop.StopGate(should_stop) if self.interruptible and should_stop else None
         # The same cuts with or without a stop signal, so a job's blocks do not depend on it;
         # none where mlx-lm's own result depends on the chunk schedule (windows with sinks).
         grain = self.stop_grain if self.interruptible and not _schedule_sensitive(live.cache) else None
         pieces = _pieces(start, end, self.block_size, live.recurrent, grain)
-        restore_point = gate.RestorePoint.capture(live.cache)
+        restore_point = layer_stop.RestorePoint.capture(live.cache)
         saved_carry = dict(live.carry)
-        hooked = gate.install(live.cache, stop_gate) if stop_gate else 0
+        hooked = layer_stop.install(live.cache, stop_gate) if stop_gate else 0
         blocks: list[BlockState] = []
         interrupted = False
         try:
             with self._on_stream():
                 for a, b in pieces:
                     blocks += self._run_piece(live, a, b)
-        except gate.SliceAbandoned:
+        except layer_stop.SliceAbandoned:
             self._rewind(live, restore_point, saved_carry, start)
             blocks, interrupted = [], True
         except BaseException:
             self._rewind(live, restore_point, saved_carry, start)
             raise
         finally:
-            gate.remove(live.cache)
+            layer_stop.remove(live.cache)
         if self.clear_cache and not interrupted:
             mx.clear_cache()
         return SliceOutcome(
@@ -252,7 +252,7 @@ class SliceRunner:
                 yield
 
     def _rewind(
-        self, live: LiveState, point: gate.RestorePoint, carry: Carry, offset: int
+        self, live: LiveState, point: layer_stop.RestorePoint, carry: Carry, offset: int
     ) -> None:
         point.restore(live.cache)
         live.carry = carry

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import pytest
 
-from mlx_recovery_plugin.recovery import gate as gate_module
+from mlx_recovery_plugin.recovery import runnable as gate_module
 from mlx_recovery_plugin.recovery.budget import Budget
-from mlx_recovery_plugin.recovery.gate import (
+from mlx_recovery_plugin.recovery.runnable import (
     BUDGET_OFF,
     BUDGET_SPENT,
     CLAIM_TAKEN,
