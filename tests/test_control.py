@@ -17,15 +17,11 @@ from typing import Any
 
 import pytest
 
-from mlx_recovery_plugin.recovery import control
+from mlx_recovery_plugin import control_cli
+from mlx_recovery_plugin.recovery import control, control_paths
 from mlx_recovery_plugin.recovery.budget import Budget
-from mlx_recovery_plugin.recovery.control import (
-    ControlError,
-    ControlServer,
-    default_socket_path,
-    find_sockets,
-    request,
-)
+from mlx_recovery_plugin.recovery.control import ControlError, ControlServer, default_socket_path, request
+from mlx_recovery_plugin.recovery.control_paths import find_sockets
 from mlx_recovery_plugin.recovery.registry import ArrivalRegistry
 
 NOBODY = 65534
@@ -292,14 +288,14 @@ def socket_dirs(monkeypatch, base: Path) -> list[Path]:
     """Point discovery at this test's own directories (other people's servers may run)."""
     dirs = [base / "run" / "mlx-recovery", base / "tmp-fallback"]
     dirs[0].parent.mkdir(mode=0o700)
-    monkeypatch.setattr(control, "socket_dirs", lambda: [str(d) for d in dirs])
+    monkeypatch.setattr(control_paths, "socket_dirs", lambda: [str(d) for d in dirs])
     monkeypatch.delenv("MLX_RECOVERY_CONTROL_SOCKET", raising=False)
     return dirs
 
 
 def cli(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mlx-recovery")
-    control.add_parser(parser.add_subparsers(dest="command", required=True))
+    control_cli.add_parser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(argv)
 
 
@@ -417,7 +413,7 @@ def test_status_text_shows_nested_engines_and_jobs() -> None:
         "engines": [{"engine_id": "e1", "jobs": [{"committed": 512, "live": None}]}],
         "budget": {"share_used": 0.012345},
     }
-    assert control.format_tree(status) == [
+    assert control_cli.format_tree(status) == [
         "enabled: True",
         "engines:",
         "  - engine_id: e1",

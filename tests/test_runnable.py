@@ -10,6 +10,7 @@ import pytest
 
 from mlx_recovery_plugin.recovery import runnable as gate_module
 from mlx_recovery_plugin.recovery.budget import Budget
+from mlx_recovery_plugin.recovery.registry import ArrivalRegistry
 from mlx_recovery_plugin.recovery.runnable import (
     BUDGET_OFF,
     BUDGET_SPENT,
@@ -26,7 +27,6 @@ from mlx_recovery_plugin.recovery.runnable import (
     RunnableGate,
     memory_probe,
 )
-from mlx_recovery_plugin.recovery.registry import ArrivalRegistry
 
 
 @dataclass

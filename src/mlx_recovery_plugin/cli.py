@@ -18,7 +18,7 @@ from .settings import SettingsError, describe_settings, load_settings
 
 COMMAND_MODULES = (
     "mlx_recovery_plugin.demo.cli",
-    "mlx_recovery_plugin.recovery.control",
+    "mlx_recovery_plugin.control_cli",
 )
 BENCH_MODULES = (
     "mlx_recovery_plugin.runner.bench",

@@ -1,10 +1,9 @@
 """The out-of-process control channel: a unix socket only the process owner can use.
 
 ``mlx-recovery status`` reads the serving process's recovery status and ``mlx-recovery
-budget PCT`` changes its budget in place. Nothing listens on a network port. The socket
-lives in an owner-only (0700) directory and is itself 0600: on macOS the socket file's own
-mode is not enforced on connect, so the directory is the real guard; on Linux the peer's
-uid is checked as well.
+budget PCT`` changes its budget in place (:mod:`mlx_recovery_plugin.control_cli`).
+Nothing listens on a network port. Where the socket lives and how its directory is
+guarded: :mod:`.control_paths`; on Linux the peer's uid is checked as well.
 
 Protocol: the client sends one JSON object on one line and reads one JSON object line
 back. ``{"op": "status"}`` -> ``{"ok": true, "status": {...}}``; ``{"op": "budget",
@@ -17,8 +16,6 @@ lived thread; ``status`` and ``set_budget`` are called there, so they must be th
 
 from __future__ import annotations
 
-import argparse
-import glob
 import json
 import logging
 import math
@@ -26,9 +23,7 @@ import os
 import selectors
 import socket
 import socketserver
-import stat
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,115 +33,24 @@ from typing import Any
 
 from ..settings import env_name
 from .budget import validate_pct
+from .control_paths import (
+    CONTROL_SOCKET_OFF,
+    MAX_SOCKET_PATH,
+    ControlError,
+    check_owner_only_dir,
+    clear_stale_socket,
+    default_socket_path,
+    resolve_socket_path,
+)
 
 log = logging.getLogger(__name__)
 
-SOCKET_DIR_NAME = "mlx-recovery"
-SOCKET_SUFFIX = ".sock"
 MAX_REQUEST_BYTES = 64 * 1024
 CONNECTION_TIMEOUT_S = 5.0
 OPS = ("status", "budget")
-# Values of MLX_RECOVERY_CONTROL_SOCKET that mean "no control channel".
-CONTROL_SOCKET_OFF = frozenset({"off", "none", "disabled", "false", "0"})
-# sun_path is 104 bytes on macOS and 108 on Linux, the terminating NUL included.
-_MAX_SOCKET_PATH = 103
 
 StatusFn = Callable[[], dict[str, Any]]
 SetBudgetFn = Callable[[float], dict[str, Any]]
-
-
-class ControlError(RuntimeError):
-    """The control channel cannot start, or a request could not be made."""
-
-
-# -- paths -------------------------------------------------------------------------------
-
-
-def socket_dirs() -> list[str]:
-    """The directories where servers of this user put their default sockets."""
-    dirs = []
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        dirs.append(os.path.join(runtime, SOCKET_DIR_NAME))
-    # /tmp literally, not $TMPDIR: a server and a CLI started from different
-    # environments must agree on the place.
-    dirs.append(os.path.join("/tmp", f"{SOCKET_DIR_NAME}-{os.getuid()}"))
-    return dirs
-
-
-def default_socket_path(pid: int | None = None) -> str:
-    """``$XDG_RUNTIME_DIR/mlx-recovery/<pid>.sock``, else ``/tmp/mlx-recovery-<uid>/<pid>.sock``."""
-    pid = os.getpid() if pid is None else pid
-    return os.path.join(socket_dirs()[0], f"{pid}{SOCKET_SUFFIX}")
-
-
-def resolve_socket_path(configured: str = "", pid: int | None = None) -> str:
-    """The configured path (``RecoverySettings.control_socket``) or the default one."""
-    return os.path.expanduser(configured) if configured else default_socket_path(pid)
-
-
-def _is_live(path: str, timeout: float = 0.5) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except OSError:
-            return False
-    return True
-
-
-def find_sockets() -> list[str]:
-    """Live control sockets of this user's servers, in the default places."""
-    uid = os.getuid()
-    found = []
-    for directory in socket_dirs():
-        for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*" + SOCKET_SUFFIX))):
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and _is_live(path):
-                found.append(path)
-    return found
-
-
-def _check_owner_only_dir(directory: Path) -> None:
-    """Create ``directory`` owner-only if missing; refuse one that is not a real
-    directory, is someone else's, or lets anyone else in."""
-    try:
-        st = os.lstat(directory)
-    except FileNotFoundError:
-        try:
-            os.mkdir(directory, 0o700)
-            st = os.lstat(directory)
-        except OSError as exc:
-            raise ControlError(f"cannot create control directory {directory}: {exc}") from exc
-    if not stat.S_ISDIR(st.st_mode):
-        raise ControlError(f"control directory {directory} is not a directory (or is a link)")
-    if st.st_uid != os.getuid():
-        raise ControlError(
-            f"control directory {directory} is owned by uid {st.st_uid}, not by this user "
-            f"(uid {os.getuid()}); refusing to use it"
-        )
-    if st.st_mode & 0o077:
-        raise ControlError(
-            f"control directory {directory} must be owner-only (0700), it is "
-            f"{stat.S_IMODE(st.st_mode):04o}; fix it or choose another {env_name('control_socket')}"
-        )
-
-
-def _clear_stale_socket(path: str) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if st.st_uid != os.getuid():
-        raise ControlError(f"{path} is owned by uid {st.st_uid}, not by this user; refusing it")
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ControlError(f"{path} exists and is not a socket; refusing to replace it")
-    if _is_live(path):
-        raise ControlError(f"{path} is already served by another process")
-    os.unlink(path)
 
 
 # -- server ------------------------------------------------------------------------------
@@ -254,13 +158,13 @@ class ControlServer:
         with self._lock:
             if self._server is not None:
                 return
-            if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
+            if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
                 raise ControlError(
-                    f"socket path {self.path} is longer than {_MAX_SOCKET_PATH} bytes; "
+                    f"socket path {self.path} is longer than {MAX_SOCKET_PATH} bytes; "
                     f"choose a shorter {env_name('control_socket')}"
                 )
-            _check_owner_only_dir(Path(self.path).parent)
-            _clear_stale_socket(self.path)
+            check_owner_only_dir(Path(self.path).parent)
+            clear_stale_socket(self.path)
             server = _UnixServer(self.path, _Handler, bind_and_activate=False)
             server.control = self
             try:
@@ -394,123 +298,13 @@ def request(path: str, payload: dict[str, Any], timeout: float = 5.0) -> dict[st
     return response
 
 
-# -- command line ------------------------------------------------------------------------
-
-
-def add_parser(subparsers: Any) -> None:
-    """Add ``status`` and ``budget`` to an argparse sub-command set. Each sets
-    ``func(args) -> int`` (the exit code) as its handler."""
-    status = subparsers.add_parser(
-        "status", help="show recovery status of the running server (over its control socket)"
-    )
-    status.add_argument("--socket", help="control socket path (default: find this user's one)")
-    status.add_argument("--json", action="store_true", help="print the raw JSON status")
-    status.set_defaults(func=status_command)
-
-    budget = subparsers.add_parser(
-        "budget", help="change the running server's recovery budget in place (0 = off)"
-    )
-    budget.add_argument("pct", type=float, help="share of wall time for recovery, 0..100")
-    budget.add_argument("--socket", help="control socket path (default: find this user's one)")
-    budget.add_argument("--json", action="store_true", help="print the raw JSON answer")
-    budget.set_defaults(func=budget_command)
-
-
-def target_socket(given: str | None) -> str:
-    """The socket a command talks to: ``--socket``, else the configured one, else the
-    single live socket of this user. Raises :class:`ControlError` when none or several."""
-    if given:
-        return os.path.expanduser(given)
-    configured = os.environ.get(env_name("control_socket"), "").strip()
-    if configured.lower() in CONTROL_SOCKET_OFF:
-        raise ControlError(
-            f"the control channel is off ({env_name('control_socket')}={configured})"
-        )
-    if configured:
-        return os.path.expanduser(configured)
-    found = find_sockets()
-    if not found:
-        raise ControlError(
-            "no running server with mlx-recovery found (looked in "
-            + ", ".join(socket_dirs())
-            + "); pass --socket PATH"
-        )
-    if len(found) > 1:
-        raise ControlError(
-            "several servers with mlx-recovery are running; pick one with --socket:\n  "
-            + "\n  ".join(found)
-        )
-    return found[0]
-
-
-def status_command(args: argparse.Namespace) -> int:
-    response = _call(args, {"op": "status"})
-    if response is None:
-        return 1
-    if args.json:
-        print(json.dumps(response["status"], indent=2, sort_keys=True))
-    else:
-        print("\n".join(format_tree(response["status"])))
-    return 0
-
-
-def budget_command(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.pct) and 0.0 <= args.pct <= 100.0):
-        print(f"mlx-recovery: budget must be in [0, 100], got {args.pct:g}", file=sys.stderr)
-        return 2
-    response = _call(args, {"op": "budget", "pct": args.pct})
-    if response is None:
-        return 1
-    if args.json:
-        print(json.dumps(response["budget"], indent=2, sort_keys=True))
-    elif args.pct == 0:
-        print("mlx-recovery: budget set to 0 %: recovery is off from now on")
-    else:
-        print(f"mlx-recovery: budget set to {args.pct:g} % of wall time, from the next window")
-    return 0
-
-
-def _call(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        response = request(target_socket(getattr(args, "socket", None)), payload)
-    except ControlError as exc:
-        print(f"mlx-recovery: {exc}", file=sys.stderr)
-        return None
-    if not response.get("ok"):
-        reason = response.get("error", "no reason given")
-        print(f"mlx-recovery: the server refused: {reason}", file=sys.stderr)
-        return None
-    return response
-
-
-def format_tree(value: Any, indent: int = 0) -> list[str]:
-    """A nested status as indented ``key: value`` lines."""
-    pad = "  " * indent
-    if isinstance(value, dict):
-        lines = []
-        for key, item in value.items():
-            if isinstance(item, dict) and item:
-                lines.append(f"{pad}{key}:")
-                lines.extend(format_tree(item, indent + 1))
-            elif isinstance(item, list) and any(isinstance(x, dict) for x in item):
-                lines.append(f"{pad}{key}:")
-                for element in item:
-                    sub = format_tree(element, indent + 2)
-                    lines.append(f"{pad}  - " + sub[0].lstrip() if sub else f"{pad}  -")
-                    lines.extend(sub[1:])
-            else:
-                lines.append(f"{pad}{key}: {_scalar(item)}")
-        return lines
-    return [f"{pad}{_scalar(value)}"]
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(_scalar(v) for v in value) if value else "-"
-    if isinstance(value, dict):
-        return "-"
-    if value is None:
-        return "-"
-    return str(value)
+__all__ = [
+    "CONTROL_SOCKET_OFF",
+    "ControlError",
+    "ControlServer",
+    "SetBudgetFn",
+    "StatusFn",
+    "default_socket_path",
+    "request",
+    "resolve_socket_path",
+]

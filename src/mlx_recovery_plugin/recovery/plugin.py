@@ -26,8 +26,8 @@ from ..ports import EnginePort
 from ..settings import RecoverySettings, load_settings
 from .budget import Budget
 from .control import CONTROL_SOCKET_OFF, ControlError, ControlServer, resolve_socket_path
-from .runnable import RunnableGate, memory_probe
 from .registry import ArrivalRegistry
+from .runnable import RunnableGate, memory_probe
 from .service import EngineRecovery, RunnerFactory, default_runner_factory
 from .status import ProcessStatus, export_counters
 

@@ -36,9 +36,9 @@ from ..state import BlockState, floor_block
 from . import runnable as reasons
 from .budget import Budget
 from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
-from .runnable import RunnableGate
 from .jobs import JobBook, RecoveryJob, Relation
 from .publication import PublicationError, publish
+from .runnable import RunnableGate
 from .status import EngineCounters, EngineStatus, JobStatus
 
 log = logging.getLogger(__name__)
