@@ -31,12 +31,13 @@ from typing import Any, Protocol
 
 from ..events import SparseRouteServed
 from ..ports import HOLDER_PREFIX, EnginePort, FetchedPrefix, ModelHandle
-from ..settings import PublishPolicy, RecoverySettings
+from ..settings import RecoverySettings
 from ..state import BlockState, floor_block
 from . import runnable as reasons
 from .budget import Budget
-from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
+from .costs import Verdict
 from .jobs import JobBook, RecoveryJob, Relation
+from .judge import PublishJudge, note_route
 from .publication import PublicationError, publish
 from .runnable import RunnableGate
 from .status import EngineCounters, EngineStatus, JobStatus
@@ -57,8 +58,6 @@ INTERRUPTED = "slice_interrupted"  # a refusal-like reason for the status
 # Refusals that are not foreground work: the live state is kept through them, so a
 # machine whose allowance pays for less than a block per window still finishes blocks.
 _KEEP_LIVE_THROUGH = frozenset({reasons.NOT_ENOUGH_IDLE_STEPS, reasons.BUDGET_SPENT, reasons.CLAIM_TAKEN})
-# The keep share assumed when the host does not say (oMLX's default).
-DEFAULT_KEEP = 0.2
 
 # Ask again after this long when another engine or a request holds the process.
 RETRY_S = 0.1
@@ -145,11 +144,8 @@ class EngineRecovery:
         self.closed = False
         # Recovered tokens per charged second, learned from whole slices (engine thread).
         self._tokens_per_s: float | None = None
-        # Dense pass cost learned from the slices, and the last publish decision (engine
-        # thread writes; the status reads both under _lock).
-        self._costs = DenseCostModel()
-        self._policy = settings.publish_policy
-        self.last_decision: Decision | None = None
+        # The publish policy with what it learned (engine thread; status under _lock).
+        self.judge = PublishJudge(settings.publish_policy, self.block_size)
         self.book = JobBook(self.block_size, settings.max_jobs_per_engine)
         self.counters = EngineCounters()
         self.last_refusal: str | None = None
@@ -171,7 +167,7 @@ class EngineRecovery:
         with self._lock:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)
             if offer.job is not None:
-                _note_route(offer.job, event)
+                note_route(offer.job, event)
             if offer.relation in (Relation.UNRELATED, Relation.FORKS):
                 self.counters.jobs_queued += 1
             elif offer.relation is Relation.EXTENDS:
@@ -251,7 +247,7 @@ class EngineRecovery:
                 for job in self.book
             )
             live_job = self._live_job
-            policy = self._policy_status_locked()
+            policy = self.judge.status()
             return EngineStatus(
                 engine_id=self.engine_id,
                 model_id=self.model_id,
@@ -265,21 +261,6 @@ class EngineRecovery:
                 counters=self.counters.copy(),
                 policy=policy,
             )
-
-    def _policy_status_locked(self) -> dict[str, Any]:
-        """What the publish policy knows and last decided, for the status."""
-        coefficients = self._costs.coefficients()
-        decision = self.last_decision
-        return {
-            "mode": self._policy.value,
-            "dense_cost_samples": self._costs.samples,
-            "dense_s_per_token": coefficients[0] if coefficients else None,
-            "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
-            "verdict": decision.verdict.value if decision else None,
-            "reason": decision.reason if decision else None,
-            "dense_append_s": decision.dense_s if decision else None,
-            "sparse_rerun_s": decision.sparse_s if decision else None,
-        }
 
     # -- the slice loop (engine thread, under _work) -------------------------------
 
@@ -383,7 +364,7 @@ class EngineRecovery:
                 self.last_refusal = INTERRUPTED
             self._retire_live()
             return 0
-        self._costs.observe(start, int(outcome.tokens_run), seconds)
+        self.judge.observe(start, int(outcome.tokens_run), seconds)
         if self._stop.is_set():
             return 0  # cancelled while the slice ran: publish nothing
         if outcome.blocks and not self._publish_or_hold(job, list(outcome.blocks)):
@@ -470,7 +451,7 @@ class EngineRecovery:
         with self._lock:
             pending = [*job.held, *blocks]
         boundary = job.committed + sum(1 for b in pending if b.index * self.block_size >= job.committed) * self.block_size
-        decision = self._decide(job, boundary)
+        decision = self.judge.judge(job, boundary)
         if decision.verdict is Verdict.PUBLISH:
             with self._lock:
                 job.held = []
@@ -485,14 +466,11 @@ class EngineRecovery:
 
     def _stands_down(self, job: RecoveryJob) -> bool:
         """Before working on ``job``: stand it down when even its whole prefix would not pay."""
-        if self._policy is not PublishPolicy.AUTO or not self._costs.fitted:
-            return False
-        full = job.publish_end(self.block_size)
-        decision = self._decide(job, full)
-        if decision.verdict is not Verdict.STAND_DOWN:
+        reason = self.judge.stand_down_reason(job)
+        if reason is None:
             return False
         with self._lock:
-            self._stand_down_locked(job, decision.reason)
+            self._stand_down_locked(job, reason)
         self._retire_live()
         return True
 
@@ -502,23 +480,6 @@ class EngineRecovery:
             log.info("mlx-recovery: engine %s: job %d stands down: %s", self.engine_id, job.job_id, reason)
         job.stood_down = reason
         job.held = []
-
-    def _decide(self, job: RecoveryJob, boundary: int) -> Decision:
-        if self._policy is PublishPolicy.ALWAYS:
-            decision = Decision(Verdict.PUBLISH, "policy: always")
-        else:
-            decision = decide(
-                self._costs,
-                boundary=boundary,
-                full_boundary=job.publish_end(self.block_size),
-                next_tokens=len(job.tokens) + (job.last_append or DEFAULT_APPEND_TOKENS),
-                threshold=job.threshold,
-                keep=job.keep if job.keep is not None else DEFAULT_KEEP,
-                measured=job.sparse,
-            )
-        with self._lock:
-            self.last_decision = decision
-        return decision
 
     def _publish(self, job: RecoveryJob, blocks: list[BlockState]) -> bool:
         # Blocks the host already restores (it may have stored them meanwhile) need no store.
@@ -640,16 +601,6 @@ class EngineRecovery:
     def _count_fault(self, kind: str) -> None:
         with self._lock:
             self.counters.fault(kind)
-
-
-def _note_route(job: RecoveryJob, event: SparseRouteServed) -> None:
-    """Keep what the host said of its sparse route on the job it served."""
-    if event.threshold is not None:
-        job.threshold = int(event.threshold)
-    if event.keep is not None:
-        job.keep = float(event.keep)
-    if event.prefill_s is not None and event.prefill_s > 0:
-        job.sparse = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
 
 
 def _later(wait: float | None) -> float | None:
