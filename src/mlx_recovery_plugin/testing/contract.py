@@ -31,253 +31,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import pluggy
 import pytest
 
-from ..events import (
-    DepartureReason,
-    IdleStep,
-    RequestAdmitted,
-    RequestArrived,
-    RequestDeparted,
-    SparseRouteServed,
-)
-from ..hookspecs import hookimpl
-from ..ports import EnginePort
-
-IdleAnswer = bool | float | None
-
-# -- what an implementer provides --------------------------------------------------
-
-
-@runtime_checkable
-class ContractResult(Protocol):
-    """What the suite reads from a departed request's result."""
-
-    cached_tokens: int
-    output_tokens: Sequence[int]
-
-
-@runtime_checkable
-class ContractHost(Protocol):
-    """One engine of a host, driven by the suite.
-
-    Synchronous driving: the test's thread owns the engine; nothing happens between calls.
-
-    * ``submit`` queues a request (``request_arrived`` fires on the calling thread) and
-      returns its id; the engine does nothing until ``run_until_idle``.
-    * ``run_until_idle`` steps the engine until it has no requests (no idle steps).
-    * ``drive_idle(max_steps)`` offers ``engine_idle_step`` while any implementation
-      answers True and the queues stay empty; returns how many it offered.
-    * ``abort`` / ``abort_all`` / ``fail_all`` are applied by the engine on its next step;
-      ``reset`` / ``shutdown`` / ``unload`` act at once.
-    * ``result(id)`` is the departed request's result; ``outstanding_refs()`` maps each
-      holder other than the prefix index itself to what it still references (empty when
-      nothing leaked); ``step_count()`` counts the host's scheduler steps so far.
-    * ``engine`` is the :class:`~mlx_recovery_plugin.ports.EnginePort` the plugin gets;
-      the suite probes the prefix cache through it (fetch, then release).
-
-    Capability flags: ``supports_sparse_route`` (a draft model is set; a request with
-    ``sparse=True`` whose uncached part exceeds ``sparse_threshold`` takes the sparse
-    route), ``supports_abort_all``, ``supports_fail_all``, ``supports_threads`` (then the
-    adapter also has ``start()``, ``stop()`` and ``wait(id, timeout)``, see
-    :class:`ThreadedContractHost`).
-    """
-
-    supports_sparse_route: bool
-    supports_abort_all: bool
-    supports_fail_all: bool
-    supports_threads: bool
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def sparse_threshold(self) -> int: ...
-
-    @property
-    def engine(self) -> EnginePort: ...
-
-    @property
-    def plugin_manager(self) -> pluggy.PluginManager: ...
-
-    def submit(
-        self, prompt_tokens: Sequence[int], *, max_tokens: int = 4, sparse: bool = False
-    ) -> str: ...
-
-    def run_until_idle(self) -> None: ...
-
-    def drive_idle(self, max_steps: int = 100) -> int: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def abort_all(self) -> None: ...
-
-    def fail_all(self, error: str) -> None: ...
-
-    def reset(self, deep: bool = False) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-    def unload(self) -> None: ...
-
-    def result(self, request_id: str) -> ContractResult: ...
-
-    def outstanding_refs(self) -> Mapping[str, Any]: ...
-
-    def step_count(self) -> int: ...
-
-
-@runtime_checkable
-class ThreadedContractHost(ContractHost, Protocol):
-    """A host that can also run its real engine loop on its own thread."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def wait(self, request_id: str, timeout: float) -> ContractResult: ...
-
-
-# -- the recorder ------------------------------------------------------------------
-
-
-@dataclass(slots=True, frozen=True)
-class RecordedEvent:
-    """One hook call: its name, engine, request (if any) and the record or arguments."""
-
-    seq: int
-    hook: str
-    engine_id: str
-    request_id: str | None
-    payload: Any = field(compare=False)
-
-
-class EventRecorder:
-    """A plugin that records every lifecycle hook call, thread-safely, and answers idle
-    steps from ``idle_answer`` (None by default: nothing to do).
-
-    ``idle_answer`` is called with the :class:`IdleStep`; ``queues_empty_at_idle`` records,
-    for every idle step, whether the attached engine's queues were empty then.
-    """
-
-    def __init__(self, idle_answer: Callable[[IdleStep], IdleAnswer] | None = None) -> None:
-        self.idle_answer = idle_answer
-        self.events: list[RecordedEvent] = []
-        self.engines: dict[str, EnginePort] = {}
-        self.queues_empty_at_idle: list[bool] = []
-        self._lock = threading.Lock()
-
-    def _add(self, hook: str, engine_id: str, request_id: str | None, payload: Any) -> None:
-        with self._lock:
-            seq = len(self.events)
-            self.events.append(RecordedEvent(seq, hook, engine_id, request_id, payload))
-
-    # hooks
-    @hookimpl
-    def engine_attached(self, engine: EnginePort) -> None:
-        self.engines[engine.engine_id] = engine
-        self._add("engine_attached", engine.engine_id, None, engine)
-
-    @hookimpl
-    def request_arrived(self, event: RequestArrived) -> None:
-        self._add("request_arrived", event.engine_id, event.request_id, event)
-
-    @hookimpl
-    def request_admitted(self, event: RequestAdmitted) -> None:
-        self._add("request_admitted", event.engine_id, event.request_id, event)
-
-    @hookimpl
-    def request_departed(self, event: RequestDeparted) -> None:
-        self._add("request_departed", event.engine_id, event.request_id, event)
-
-    @hookimpl
-    def request_aborted(self, engine_id: str, request_id: str) -> None:
-        self._add("request_aborted", engine_id, request_id, None)
-
-    @hookimpl
-    def engine_aborted_all(self, engine_id: str) -> None:
-        self._add("engine_aborted_all", engine_id, None, None)
-
-    @hookimpl
-    def engine_failed_all(self, engine_id: str, error: str) -> None:
-        self._add("engine_failed_all", engine_id, None, error)
-
-    @hookimpl
-    def engine_reset(self, engine_id: str, deep: bool) -> None:
-        self._add("engine_reset", engine_id, None, deep)
-
-    @hookimpl
-    def engine_shutdown(self, engine_id: str) -> None:
-        self._add("engine_shutdown", engine_id, None, None)
-
-    @hookimpl
-    def model_unloaded(self, engine_id: str, model_id: str) -> None:
-        self._add("model_unloaded", engine_id, None, model_id)
-
-    @hookimpl
-    def sparse_route_served(self, event: SparseRouteServed) -> None:
-        self._add("sparse_route_served", event.engine_id, event.request_id, event)
-
-    @hookimpl
-    def engine_idle_step(self, event: IdleStep) -> IdleAnswer:
-        engine = self.engines.get(event.engine_id)
-        if engine is not None:
-            self.queues_empty_at_idle.append(engine.queues_empty())
-        self._add("engine_idle_step", event.engine_id, None, event)
-        return self.idle_answer(event) if self.idle_answer is not None else None
-
-    # queries
-    def snapshot(self) -> list[RecordedEvent]:
-        with self._lock:
-            return list(self.events)
-
-    def hooks_for(self, request_id: str) -> list[str]:
-        """Hook names that carried ``request_id``, in order."""
-        return [e.hook for e in self.snapshot() if e.request_id == request_id]
-
-    def named(self, hook: str) -> list[RecordedEvent]:
-        return [e for e in self.snapshot() if e.hook == hook]
-
-    def one(self, hook: str, request_id: str) -> Any:
-        """The payload of the single ``hook`` event of ``request_id`` (asserts it is one)."""
-        found = [e for e in self.named(hook) if e.request_id == request_id]
-        assert len(found) == 1, f"{hook} for {request_id}: {len(found)} events"
-        return found[0].payload
-
-    def idle_steps(self) -> list[IdleStep]:
-        return [e.payload for e in self.named("engine_idle_step")]
-
-
-@contextmanager
-def registered(pm: pluggy.PluginManager, plugin: object) -> Iterator[object]:
-    """Register ``plugin`` on ``pm`` for the duration of a ``with`` block."""
-    pm.register(plugin)
-    try:
-        yield plugin
-    finally:
-        pm.unregister(plugin)
-
-
-def contract_tokens(n: int, seed: int = 0) -> list[int]:
-    """``n`` deterministic token ids below 256; different seeds share no first block."""
-    return [(seed * 97 + 13 + i * 31 + (i * i) % 7) % 256 for i in range(n)]
-
-
-def stored_tokens(host: ContractHost, tokens: Sequence[int]) -> int:
-    """How much of ``tokens`` the host's prefix cache restores, through its own fetch and
-    release (the references of the probe are given back)."""
-    cache = host.engine.prefix_cache
-    try:
-        return cache.fetch("contract-probe", tokens).tokens
-    finally:
-        cache.release("contract-probe")
-
+from ..events import DepartureReason, IdleStep
+from .contract_host_protocol import ContractHost, ContractResult, ThreadedContractHost
+from .recorder import EventRecorder, IdleAnswer, RecordedEvent, contract_tokens, registered, stored_tokens
 
 # -- pytest plugin fixtures ------------------------------------------------------------
 
@@ -638,3 +399,23 @@ class HostContractSuite(
     EventOrderTests, ReferenceBalanceTests, WholeBlockStoreTests, IdleTests, ThreadedTests
 ):
     """The whole host contract; subclass it and supply ``contract_host``."""
+
+
+__all__ = [
+    "ContractHost",
+    "ContractResult",
+    "EventOrderTests",
+    "EventRecorder",
+    "HostContractSuite",
+    "IdleAnswer",
+    "IdleTests",
+    "RecordedEvent",
+    "ReferenceBalanceTests",
+    "ThreadedContractHost",
+    "ThreadedTests",
+    "WholeBlockStoreTests",
+    "contract_tokens",
+    "event_recorder",
+    "registered",
+    "stored_tokens",
+]
