@@ -22,6 +22,7 @@ from typing import Any
 
 from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
+from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
@@ -133,12 +134,7 @@ def format_rows(rows: list[InterferenceRow]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        import sys
-
-        from ..runner.blas import reexec_with_openblas
-
-        reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
+    maybe_reexec(args)
     rows = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
     print(format_rows(rows))
     return 0
@@ -150,5 +146,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--context", type=int, default=8192, help="tokens of the recovered prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
+    add_openblas_flag(p)
     p.set_defaults(func=_run)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
+from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..testing.tiny_model import TinyModelSpec
 from .session import SessionSpec
 
@@ -31,21 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--slice-tokens", type=int, default=None, help="tokens per recovery slice (default: the prefill step)")
     p.add_argument("--quick", action="store_true", help="a small model and a short session (a smoke run)")
-    p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
+    add_openblas_flag(p)
     p.set_defaults(func=_run)
 
 
-def _maybe_reexec_with_openblas(args: argparse.Namespace) -> None:
-    """Float32 prefill is 15-20x faster on the system OpenBLAS than on MLX's bundled one."""
-    if args.no_openblas:
-        return
-    from ..runner.blas import reexec_with_openblas
-
-    reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
-
-
 def _run(args: argparse.Namespace) -> int:
-    _maybe_reexec_with_openblas(args)
+    maybe_reexec(args)  # float32 prefill is 15-20x faster on OpenBLAS than on MLX's bundled BLAS
     from .report import format_table, write_plot
     from .run import DemoConfig, progress_to_stderr, run_demo
 

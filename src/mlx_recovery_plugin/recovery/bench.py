@@ -248,10 +248,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=256, dest="block_size", help="cache block size (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of the rate run (default 3)")
     parser.add_argument("--skip", choices=("rate", "budget"), default=None, help="leave one measurement out")
-    parser.add_argument(
-        "--no-openblas", action="store_true",
-        help="do not re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
-    )
+    blas.add_openblas_flag(parser)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -264,8 +261,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        blas.reexec_with_openblas("mlx_recovery_plugin.recovery.bench", _argv_of(args))
+    blas.maybe_reexec(args)
     result = run_budget_bench(
         args.model,
         pct=args.pct,
@@ -281,21 +277,6 @@ def handle_args(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     return 0
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    argv = [
-        "--pct", str(args.pct), "--window", str(args.window_s), "--duration", str(args.duration_s),
-        "--engines", str(args.engines), "--tokens", str(args.tokens), "--slice", str(args.slice_tokens),
-        "--block", str(args.block_size), "--repeats", str(args.repeats),
-    ]  # fmt: skip
-    if args.model is not None:
-        argv += ["--model", str(args.model)]
-    if args.no_openblas:
-        argv.append("--no-openblas")
-    if args.skip is not None:
-        argv += ["--skip", args.skip]
-    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -243,10 +243,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--arrivals", type=int, default=5, help="arrival-wait samples per mode (0: skip)")
     add("--no-interruptible", action="store_false", dest="interruptible",
         help="run the runner arm without stop checks")
-    parser.add_argument(
-        "--no-openblas", action="store_true",
-        help="do not re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
-    )
+    blas.add_openblas_flag(parser)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -259,8 +256,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        blas.reexec_with_openblas("mlx_recovery_plugin.runner.bench", _argv_of(args))
+    blas.maybe_reexec(args)
     result = run_runner_bench(
         args.model,
         tokens=args.tokens,
@@ -272,23 +268,6 @@ def handle_args(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     return 0
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    argv = [
-        "--tokens", str(args.tokens),
-        "--slice", str(args.slice_tokens),
-        "--block", str(args.block_size),
-        "--repeats", str(args.repeats),
-        "--arrivals", str(args.arrivals),
-    ]  # fmt: skip
-    if args.model is not None:
-        argv += ["--model", str(args.model)]
-    if args.no_openblas:
-        argv.append("--no-openblas")
-    if not args.interruptible:
-        argv.append("--no-interruptible")
-    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
