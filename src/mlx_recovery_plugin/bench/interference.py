@@ -26,6 +26,7 @@ from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
+from .balance import measure_or_say_why
 from .stats import Spread, spread
 
 MODEL_ID = "bench-interference"
@@ -41,6 +42,12 @@ class InterferenceRow:
     @property
     def worst_fraction_of_slice(self) -> float:
         return self.extra_wait.high / self.slice_seconds if self.slice_seconds else float("nan")
+
+
+@dataclass(slots=True)
+class InterferenceReport:
+    rows: list[InterferenceRow]
+    balance_line: str  # the target's cost balance at the recovered prompt's length
 
 
 def _host(models: Any, slice_tokens: int, interruptible: bool, block_size: int, context: int) -> tuple[MockHost, RecoveryPlugin]:
@@ -99,13 +106,16 @@ def run_interference_bench(
     seed: int = 0,
     models: Any = None,
     progress: Any = print,
-) -> list[InterferenceRow]:
+) -> InterferenceReport:
     if models is None:
-        # The demo's 8-layer pair: stop checks come between layers, so depth sets how
-        # finely an interruptible slice can stop.
+        # The demo's pair. Stop checks come between layers and passes (at most 256
+        # tokens each); with a one-layer target an interruptible slice stops after the
+        # running pass, so its granularity is one pass of that layer.
         model, tokenizer = load_tiny_model(cached_model_dir(BENCH_TARGET))
         draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
         models = (model, tokenizer, draft)
+    balance_line = measure_or_say_why(models[0], context)[1]
+    progress(balance_line)
     rng = random.Random(seed)
     configs = [(s, i) for s in slice_sizes for i in (True, False)]
     waits: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
@@ -118,13 +128,15 @@ def run_interference_bench(
                 whole_slice[config[0]].append(longest)
             progress(f"trial {trial + 1}/{trials} slice {config[0]:>5} interruptible {str(config[1]):<5} "
                      f"ttft during {during:.3f}s baseline {baseline:.3f}s longest slice {longest:.3f}s")
-    return [InterferenceRow(s, i, spread(waits[(s, i)]), spread(whole_slice[s]).median) for s, i in configs]
+    rows = [InterferenceRow(s, i, spread(waits[(s, i)]), spread(whole_slice[s]).median) for s, i in configs]
+    return InterferenceReport(rows, balance_line)
 
 
-def format_rows(rows: list[InterferenceRow]) -> str:
+def format_rows(report: InterferenceReport) -> str:
     from ..runner.blas import describe
 
-    lines = [f"BLAS: {describe()}",
+    rows = report.rows
+    lines = [f"BLAS: {describe()}", report.balance_line,
              f"{'slice':>6} {'interruptible':>13} | {'extra wait s: median [min, max]':<36} | {'slice s':>8} | worst/slice",
              "(slice s: the longest whole slice of a trial, median over trials)"]
     for r in rows:
@@ -135,8 +147,8 @@ def format_rows(rows: list[InterferenceRow]) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     maybe_reexec(args)
-    rows = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
-    print(format_rows(rows))
+    report = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
+    print(format_rows(report))
     return 0
 
 

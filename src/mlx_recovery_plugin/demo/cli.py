@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--think-time", type=float, default=30.0, help="idle seconds between turns (simulated; default 30)")
     p.add_argument(
         "--sparse-threshold", type=int, default=None,
-        help="uncached tokens above which a turn takes the sparse route (default 512: every turn's append qualifies)",
+        help="uncached tokens above which a turn takes the sparse route (default 8192, the real server's: "
+        "a turn whose uncached part is smaller is prefilled densely over the cached prefix)",
     )
     p.add_argument("--slice-tokens", type=int, default=None, help="tokens per recovery slice (default: the prefill step)")
     p.add_argument("--quick", action="store_true", help="a small model and a short session (a smoke run)")
@@ -63,6 +64,11 @@ def _run(args: argparse.Namespace) -> int:
         from ..hosts.omlx.session import run_omlx_demo  # noqa: PLC0415 - needs oMLX installed
 
         report = run_omlx_demo(config, progress=progress_to_stderr)
+        from .report import ARMS
+        from .run import attach_balance, prepare_models
+
+        longest = report.repeats[0][ARMS[0]].turns[-1].prompt_tokens
+        attach_balance(report, prepare_models(config).model, longest, progress_to_stderr)
     else:
         report = run_demo(config, progress=progress_to_stderr)
     print(format_table(report))
