@@ -109,8 +109,8 @@ def run_interference_bench(
 ) -> InterferenceReport:
     if models is None:
         # The demo's pair. Stop checks come between layers and passes (at most 256
-        # tokens each); with a one-layer target an interruptible slice stops after the
-        # running pass, so its granularity is one pass of that layer.
+        # tokens each), so an interruptible slice of the two-layer target stops after
+        # one layer of one pass.
         model, tokenizer = load_tiny_model(cached_model_dir(BENCH_TARGET))
         draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
         models = (model, tokenizer, draft)

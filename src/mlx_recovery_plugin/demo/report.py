@@ -164,11 +164,12 @@ def write_plot(report: DemoReport, path: str | Path) -> None:
         ax.legend()
     balance = report.balance
     balance_note = (
-        f"; a token at {balance['context']:,} context costs {balance['ratio']:.2f}x one at 0 "
+        f"a token at {balance['context']:,} context costs {balance['ratio']:.2f}x one at 0 "
         f"({balance['reference_model']}: {balance['reference']:.2f}x)"
-        if balance else ""
+        if balance else "cost balance not measured"
     )
-    fig.suptitle(f"{report.model} on {report.host} ({report.blas}){balance_note}", fontsize=9)
+    blas = report.blas.split(" (")[0]  # the kind, without the library's path
+    fig.suptitle(f"{report.model} on {report.host}, {blas}\n{balance_note}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

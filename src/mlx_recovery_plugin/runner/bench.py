@@ -10,7 +10,7 @@ runner first on odd ones) so drift hits both. It prints:
 * arrival wait: the time from ``should_stop`` turning True to ``advance()`` returning,
   with interruptible slices and with whole slices, against one full slice's time.
 
-The default model is a random float32 llama (one layer of hidden 4,096, feed-forward 14,336: BENCH_TARGET) written once with
+The default model is a random float32 llama (BENCH_TARGET: two layers of hidden 4,096, feed-forward 11,008) written once with
 :mod:`mlx_recovery_plugin.testing.tiny_model`. Float32 on Linux is 15-20x faster with the
 system OpenBLAS preloaded; by default the bench re-executes itself with it when found.
 """
@@ -241,7 +241,7 @@ def _arrival_waits(
 def _configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", type=Path, default=None,
-        help="mlx-lm model dir (default: BENCH_TARGET, one float32 llama layer of hidden 4,096, feed-forward 14,336)")
+        help="mlx-lm model dir (default: BENCH_TARGET, two float32 llama layers of hidden 4,096, feed-forward 11,008)")
     add("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     add("--slice", type=int, default=512, dest="slice_tokens",
         help="tokens per slice and per plain chunk (default 512)")

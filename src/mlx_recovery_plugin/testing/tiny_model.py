@@ -46,7 +46,7 @@ class TinyModelSpec:
 
     @property
     def label(self) -> str:
-        """A short name for reports, e.g. ``llama-4096x1-ffn14336``."""
+        """A short name for reports, e.g. ``llama-4096x2-ffn11008``."""
         return f"{self.arch}-{self.hidden_size}x{self.num_layers}-ffn{self.intermediate_size}"
 
     def config(self) -> dict[str, Any]:
@@ -72,18 +72,21 @@ class TinyModelSpec:
         return base
 
 
-# The demo's and benchmarks' default pair. The target is one layer of a real 8B model's
-# width (hidden 4,096, feed-forward 14,336: Llama-3-8B's), so prefill is dominated by
-# matrix products as in a real model, not by attention as in a narrow model on a CPU (a
-# 512x8 llama: a token at 8k context costs 12x one at 0; Llama-3-8B by FLOPs: 1.3x).
-# MLX's CPU attention runs far below its matrix-product rate, so the target keeps 8 query
-# heads of 128 (2 key/value heads) instead of 32: with that, a token at the demo's longest
-# context costs about what it costs a real model on hardware with fused attention.
-# `mlx-recovery bench runner` prints the balance measured on this machine. About 0.9 GB
-# of float32, written once to the model cache (never in tests: they use tiny models).
+# The demo's and benchmarks' default pair. The target has a real 7B-8B model's width
+# (hidden 4,096, feed-forward 11,008) so that, as in a real model, prefill is dominated by
+# matrix products, not by attention as in a narrow model on a CPU (a 512x8 llama: a token
+# at 8k context costs 12x one at 0; Llama-3-8B by FLOPs: 1.3x). Two layers, not one:
+# mlx-lm's prefill, oMLX's and the recovery runner evaluate only the caches, so the last
+# layer's attention and feed-forward are never computed there; with one layer a dense
+# read would cost only the key/value projections. MLX's CPU attention runs several times
+# below its matrix-product rate, so the target keeps 4 query heads of 128 (1 key/value
+# head, Llama-3's 4:1 grouping) instead of 32: a token at the demo's longest context then
+# costs about what it costs a real model where attention is fused (the demo and benches
+# print the balance they measure). About 1.2 GB of float32, written once to the model
+# cache; never in tests, which use tiny models.
 BENCH_TARGET = TinyModelSpec(
-    arch="llama", hidden_size=4096, num_layers=1, num_heads=8, num_kv_heads=2,
-    intermediate_size=14336, seed=13, extra=(("head_dim", 128),),
+    arch="llama", hidden_size=4096, num_layers=2, num_heads=4, num_kv_heads=1,
+    intermediate_size=11008, seed=13, extra=(("head_dim", 128),),
 )
 BENCH_DRAFT = TinyModelSpec(
     arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
