@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PATH", help="an mlx-lm model directory (default: an embedded tiny model)")
     p.add_argument("--draft", metavar="PATH", help="draft model directory for the sparse route (default: the model itself)")
     p.add_argument("--host", choices=("mock", "omlx"), default="mock", help="mock host, or the real oMLX scheduler")
-    p.add_argument("--turns", type=int, default=7, help="turns in the session (default 7)")
+    p.add_argument("--turns", type=int, default=5, help="turns in the session (default 5: the real-server measurement's session)")
     p.add_argument("--repeats", type=int, default=1, help="serve the session this many times (spread of ratios)")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
     p.add_argument("--think-time", type=float, default=30.0, help="idle seconds between turns (simulated; default 30)")

@@ -25,12 +25,13 @@ WORDS = (
 class SessionSpec:
     """Sizes in characters; the demo's byte-level tokenizer makes that one token each.
 
-    The defaults are what an agent sends: an ~8,500-token system prompt (over the real
-    server's 8,192-token sparse threshold, so the first turn takes the sparse route), then
-    turns of ~600 tokens: the assistant's reply, a tool's output and a question."""
+    The defaults are what an agent sends, as in the real-server measurement: an
+    ~8,500-token system prompt (over the real server's 8,192-token sparse threshold, so
+    the first turn takes the sparse route), then 4 more turns of ~600 tokens each: the
+    assistant's reply, a tool's output and a question."""
 
     system_chars: int = 8500
-    turns: int = 7
+    turns: int = 5
     tool_chars: int = 380
     question_chars: int = 70
     reply_chars: int = 150
