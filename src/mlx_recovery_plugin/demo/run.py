@@ -85,7 +85,7 @@ def attach_balance(report: DemoReport, model: Any, context: int, say: Callable[[
     from ..bench.balance import measure_or_say_why
 
     (say or (lambda line: None))(f"measuring the target's cost balance at {context:,} tokens of context ...")
-    balance, report.balance_line = measure_or_say_why(model, context)
+    balance, report.balance_line = measure_or_say_why(model, context, repeats=5)
     report.balance = balance.as_dict() if balance is not None else None
     if say:
         say(report.balance_line)
