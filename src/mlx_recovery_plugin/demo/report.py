@@ -160,6 +160,7 @@ def write_plot(report: DemoReport, path: str | Path) -> None:
     ax_t.set(title="time to first token", xlabel="turn", ylabel="seconds")
     ax_c.set(title="cached tokens restored", xlabel="turn", ylabel="tokens")
     for ax in (ax_t, ax_c):
+        ax.set_xticks(turns)
         ax.grid(alpha=0.3)
         ax.legend()
     balance = report.balance
