@@ -82,7 +82,7 @@ class TinyModelSpec:
 # below its matrix-product rate, so the target keeps 4 query heads of 128 (1 key/value
 # head, Llama-3's 4:1 grouping) instead of 32: a token at the demo's longest context then
 # costs about what it costs a real model where attention is fused (the demo and benches
-# print the balance they measure). About 1.2 GB of float32, written once to the model
+# print the balance they measure). About 1.1 GB of float32, written once to the model
 # cache; never in tests, which use tiny models.
 BENCH_TARGET = TinyModelSpec(
     arch="llama", hidden_size=4096, num_layers=2, num_heads=4, num_kv_heads=1,
