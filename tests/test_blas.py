@@ -83,30 +83,117 @@ def test_preload_env_puts_openblas_first_once() -> None:
     assert blas.preload_env(OPENBLAS, {})["LD_PRELOAD"] == OPENBLAS
 
 
-def test_reexec_runs_the_module_again_under_openblas_only_once(
+def _fake_wheel(tmp_path: Path, *, gfortran: bool = True, quadmath: bool = True) -> tuple[Path, Path]:
+    library = tmp_path / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    bundled = tmp_path / "mlx_cpu.libs"
+    bundled.mkdir()
+    if gfortran:
+        (bundled / "libgfortran-f7379c93.so.5.0.0").write_bytes(b"")
+    if quadmath:
+        (bundled / "libquadmath-a962d038.so.0.0.0").write_bytes(b"")
+    return library, bundled
+
+
+def test_the_system_openblas_is_preferred_and_the_wheel_is_the_fallback(tmp_path: Path) -> None:
+    slow = blas.BlasInfo("reference", BUNDLED)
+    wheel = _fake_wheel(tmp_path)
+    choice = blas.choose_openblas("auto", system="Linux", info=slow, system_library=OPENBLAS, wheel=wheel)
+    assert choice.plan == blas.OpenblasPlan("system", OPENBLAS)
+    choice = blas.choose_openblas("auto", system="Linux", info=slow, system_library=None, wheel=wheel)
+    assert choice.plan is not None and choice.plan.source == "wheel"
+    assert choice.plan.library == str(wheel[0])
+    (link_dir,) = choice.plan.library_dirs
+    # libopenblas asks for the plain sonames, libgfortran for quadmath's hashed name.
+    names = {p.name: p.resolve().name for p in Path(link_dir).iterdir()}
+    assert names["libgfortran.so.5"] == "libgfortran-f7379c93.so.5.0.0"
+    assert names["libquadmath.so.0"] == names["libquadmath-a962d038.so.0.0.0"] == "libquadmath-a962d038.so.0.0.0"
+    env = choice.plan.env({"LD_LIBRARY_PATH": "/x"})
+    assert env["LD_PRELOAD"] == str(wheel[0]) and env["LD_LIBRARY_PATH"] == f"{link_dir}:/x"
+    forced = blas.choose_openblas("wheel", system="Linux", info=slow, system_library=OPENBLAS, wheel=wheel)
+    assert forced.plan is not None and forced.plan.source == "wheel"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"system": "Darwin"}, "macOS"),
+        ({"info": blas.BlasInfo("gpu")}, "GPU"),
+        ({"info": blas.BlasInfo("openblas", OPENBLAS)}, "already on OpenBLAS"),
+        ({"wheel": (None, None)}, "cmeel-openblas wheel is not installed"),
+        ({"gfortran": False}, "no libgfortran.so.5"),
+        ({"quadmath": False}, "no libquadmath.so.0"),
+        ({"mode": "off"}, "off"),
+        ({"mode": "bogus"}, "not one of"),
+        ({"mode": "system"}, "no system OpenBLAS"),
+    ],
+)
+def test_says_in_one_line_why_openblas_does_not_apply(tmp_path: Path, kwargs: dict, why: str) -> None:
+    wheel = _fake_wheel(tmp_path, gfortran=kwargs.pop("gfortran", True), quadmath=kwargs.pop("quadmath", True))
+    args = {"mode": "auto", "system": "Linux", "info": blas.BlasInfo("reference", BUNDLED),
+            "system_library": None, "wheel": wheel} | kwargs
+    choice = blas.choose_openblas(args.pop("mode"), **args)
+    assert choice.plan is None
+    assert why in choice.reason and "\n" not in choice.reason
+
+
+def test_reexec_runs_the_same_command_again_under_openblas_only_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[tuple[str, list[str], dict[str, str]]] = []
-    monkeypatch.setattr(blas, "detect", lambda: blas.BlasInfo("reference", BUNDLED))
-    monkeypatch.setattr(blas, "openblas_preload_path", lambda: OPENBLAS)
+    monkeypatch.setattr(
+        blas, "choose_openblas", lambda mode=None: blas.OpenblasChoice(blas.OpenblasPlan("system", OPENBLAS), "x")
+    )
     monkeypatch.setattr(blas.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
     monkeypatch.delenv(blas.REEXEC_MARKER, raising=False)
+    monkeypatch.setattr(blas.sys, "orig_argv", ["python", "/venv/bin/mlx-recovery", "demo", "--quick"])
 
-    blas.reexec_with_openblas("some.module", ["--flag", "1"])
+    blas.reexec_with_openblas()
     (exe, argv, env), = calls
-    assert argv[1:] == ["-m", "some.module", "--flag", "1"]
+    assert exe == blas.sys.executable and argv[1:] == ["/venv/bin/mlx-recovery", "demo", "--quick"]
     assert env["LD_PRELOAD"].split(":")[0] == OPENBLAS and env[blas.REEXEC_MARKER] == "1"
 
     monkeypatch.setenv(blas.REEXEC_MARKER, "1")  # the child does not go round again
-    blas.reexec_with_openblas("some.module", [])
+    blas.reexec_with_openblas()
     assert len(calls) == 1
 
 
-def test_no_reexec_when_already_fast_or_nothing_to_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_reexec_when_nothing_applies_and_the_reason_is_printed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv(blas.REEXEC_MARKER, raising=False)
     monkeypatch.setattr(blas.os, "execve", lambda *a: pytest.fail("must not re-execute"))
-    monkeypatch.setattr(blas, "detect", lambda: blas.BlasInfo("openblas", OPENBLAS))
-    blas.reexec_with_openblas("m", [])
-    monkeypatch.setattr(blas, "detect", lambda: blas.BlasInfo("reference", BUNDLED))
-    monkeypatch.setattr(blas, "openblas_preload_path", lambda: None)
-    blas.reexec_with_openblas("m", [])
+    monkeypatch.setattr(blas, "choose_openblas", lambda mode=None: blas.OpenblasChoice(None, "because"))
+    assert blas.reexec_with_openblas().plan is None
+    assert capsys.readouterr().err == "OpenBLAS: because\n"
+
+
+def _wheel_installed() -> bool:
+    library, bundled = blas.wheel_files()
+    return library is not None and library.is_file() and bundled is not None
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the wheel's OpenBLAS is a Linux fix")
+@pytest.mark.skipif(not _wheel_installed(), reason="needs the openblas extra (cmeel-openblas) and mlx-cpu")
+def test_a_subprocess_reexecs_onto_the_wheels_openblas_without_the_system_one(tmp_path: Path) -> None:
+    """What a fresh machine gets: no LD_PRELOAD, the system library ignored, the command
+    re-run through the wheel's library, and MLX's products then served by it."""
+    import subprocess
+    import sys
+
+    script = (
+        "from mlx_recovery_plugin.runner import blas\n"
+        "blas.reexec_with_openblas()\n"
+        "import mlx.core as mx\n"
+        "a = mx.ones((64, 64)); mx.eval(a @ a)\n"
+        "info = blas.detect(); print(info.kind, info.library)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.REEXEC_MARKER)}
+    env[blas.OPENBLAS_ENV] = "wheel"
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kind, library = done.stdout.split()
+    assert kind == "openblas" and library == str(blas.wheel_files()[0])
+    assert "re-running under OpenBLAS from the cmeel-openblas wheel" in done.stderr

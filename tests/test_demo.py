@@ -13,7 +13,7 @@ from mlx_recovery_plugin.demo.arms import ServeConfig
 from mlx_recovery_plugin.demo.report import ARMS, format_table
 from mlx_recovery_plugin.demo.run import DemoConfig, run_demo
 from mlx_recovery_plugin.demo.session import SessionSpec, build_session
-from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
+from mlx_recovery_plugin.testing.tiny_model import BENCH_TARGET, TinyModelSpec
 
 TOY_SESSION = SessionSpec(system_chars=700, turns=3, tool_chars=150, question_chars=30, reply_chars=30)
 TOY_SERVE = ServeConfig(model_id="toy", block_size=64, prefill_step=128, sparse_threshold=128)
@@ -37,6 +37,16 @@ def test_session_only_appends_and_every_turn_is_longer() -> None:
         assert after.appended == len(after.prompt) - len(before.prompt) > 0
 
 
+def test_default_session_and_threshold_follow_the_real_server() -> None:
+    """An agent's session as oMLX sees it: the first turn alone is over the 8,192-token
+    sparse threshold, each later turn appends ~600 tokens (reply, tool output, question)."""
+    assert ServeConfig(model_id="m").sparse_threshold == 8192
+    turns = build_session(SessionSpec(), lambda text: list(text.encode()))
+    assert 8192 < len(turns[0].prompt) < 8700
+    assert all(550 <= t.appended <= 650 for t in turns[1:])
+    assert DemoConfig().target == BENCH_TARGET and DemoConfig().serve.model_id == BENCH_TARGET.label
+
+
 def test_recovery_arm_restores_what_sparse_route_alone_never_keeps(toy_config: DemoConfig) -> None:
     report = run_demo(toy_config)
     (run,) = report.repeats
@@ -55,6 +65,8 @@ def test_recovery_arm_restores_what_sparse_route_alone_never_keeps(toy_config: D
     assert rec.recovered_tokens >= rec.turns[-1].cached_tokens - block
     table = format_table(report)
     assert "sparse on + recovery / sparse off" in table
+    assert report.balance is not None and report.balance["context"] == rec.turns[-1].prompt_tokens
+    assert report.balance_line.startswith("cost balance: a token at") and report.balance_line in table
 
 
 def test_demo_command_writes_json_and_plot(toy_config: DemoConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,6 +79,7 @@ def test_demo_command_writes_json_and_plot(toy_config: DemoConfig, tmp_path: Pat
     data = json.loads(out_json.read_text())
     assert set(data["repeats"][0]) == set(ARMS)
     assert data["ratios"]["sparse_recovery/sparse_off"]["median"] > 0
+    assert data["balance"]["ratio"] > 0 and data["balance_line"].startswith("cost balance:")
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr()
     assert "cumulative foreground" in printed.out

@@ -22,6 +22,7 @@ def test_the_runner_bench_reports_ratio_memory_and_arrival_wait(tiny_llama_dir: 
     assert result.published_bytes > 0  # five 64-token blocks were handed off
     assert len(result.wait_interruptible_s) == len(result.wait_whole_slice_s) == 2
     summary = result.summary()
-    for needle in ("ratio", "peak memory", "arrival wait", "tokens/s"):
+    assert result.balance is not None and result.balance["context"] == 320
+    for needle in ("ratio", "peak memory", "arrival wait", "tokens/s", "cost balance: a token at 320 context"):
         assert needle in summary
     assert any(line.startswith("repeat 2/2") for line in lines)

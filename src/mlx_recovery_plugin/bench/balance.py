@@ -157,3 +157,13 @@ def _timed_pass(model: Any, tokens: mx.array, cache: list[Any]) -> float:
     for layer in cache:
         layer.trim(tokens.shape[1])  # back to the same context for the next pass
     return seconds
+
+
+def measure_or_say_why(model: Any, context: int, **kwargs: Any) -> tuple[Balance | None, str]:
+    """The balance and its one-line description, or None and one line saying why it was
+    not measured (a report then says so rather than print a number it does not have)."""
+    try:
+        balance = measure_balance(model, context, **kwargs)
+    except ValueError as exc:
+        return None, f"cost balance: not measured ({exc})"
+    return balance, balance.describe()

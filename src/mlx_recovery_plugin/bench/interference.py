@@ -22,9 +22,11 @@ from typing import Any
 
 from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
+from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
+from .balance import measure_or_say_why
 from .stats import Spread, spread
 
 MODEL_ID = "bench-interference"
@@ -40,6 +42,12 @@ class InterferenceRow:
     @property
     def worst_fraction_of_slice(self) -> float:
         return self.extra_wait.high / self.slice_seconds if self.slice_seconds else float("nan")
+
+
+@dataclass(slots=True)
+class InterferenceReport:
+    rows: list[InterferenceRow]
+    balance_line: str  # the target's cost balance at the recovered prompt's length
 
 
 def _host(models: Any, slice_tokens: int, interruptible: bool, block_size: int, context: int) -> tuple[MockHost, RecoveryPlugin]:
@@ -98,13 +106,16 @@ def run_interference_bench(
     seed: int = 0,
     models: Any = None,
     progress: Any = print,
-) -> list[InterferenceRow]:
+) -> InterferenceReport:
     if models is None:
-        # The demo's 8-layer pair: stop checks come between layers, so depth sets how
-        # finely an interruptible slice can stop.
+        # The demo's pair. Stop checks come between layers and passes (at most 256
+        # tokens each), so an interruptible slice of the two-layer target stops after
+        # one layer of one pass.
         model, tokenizer = load_tiny_model(cached_model_dir(BENCH_TARGET))
         draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
         models = (model, tokenizer, draft)
+    balance_line = measure_or_say_why(models[0], context)[1]
+    progress(balance_line)
     rng = random.Random(seed)
     configs = [(s, i) for s in slice_sizes for i in (True, False)]
     waits: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
@@ -117,13 +128,15 @@ def run_interference_bench(
                 whole_slice[config[0]].append(longest)
             progress(f"trial {trial + 1}/{trials} slice {config[0]:>5} interruptible {config[1]!s:<5} "
                      f"ttft during {during:.3f}s baseline {baseline:.3f}s longest slice {longest:.3f}s")
-    return [InterferenceRow(s, i, spread(waits[(s, i)]), spread(whole_slice[s]).median) for s, i in configs]
+    rows = [InterferenceRow(s, i, spread(waits[(s, i)]), spread(whole_slice[s]).median) for s, i in configs]
+    return InterferenceReport(rows, balance_line)
 
 
-def format_rows(rows: list[InterferenceRow]) -> str:
+def format_rows(report: InterferenceReport) -> str:
     from ..runner.blas import describe
 
-    lines = [f"BLAS: {describe()}",
+    rows = report.rows
+    lines = [f"BLAS: {describe()}", report.balance_line,
              f"{'slice':>6} {'interruptible':>13} | {'extra wait s: median [min, max]':<36} | {'slice s':>8} | worst/slice",
              "(slice s: the longest whole slice of a trial, median over trials)"]
     for r in rows:
@@ -133,14 +146,9 @@ def format_rows(rows: list[InterferenceRow]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        import sys
-
-        from ..runner.blas import reexec_with_openblas
-
-        reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
-    rows = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
-    print(format_rows(rows))
+    maybe_reexec(args)
+    report = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
+    print(format_rows(report))
     return 0
 
 
@@ -150,5 +158,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--context", type=int, default=8192, help="tokens of the recovered prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
+    add_openblas_flag(p)
     p.set_defaults(func=_run)

@@ -44,9 +44,10 @@ class ServeConfig:
     model_id: str
     block_size: int = 256
     prefill_step: int = 256
-    # Below every turn's append, so every turn takes the sparse route (as in the seed's
-    # measurement); --sparse-threshold 1024 shows later turns falling back to dense.
-    sparse_threshold: int = 512
+    # The real server's: oMLX applies the sparse route only above 8,192 uncached tokens
+    # (flyto-mlx 0.7.0 does not pass a lower setting through), so a later turn whose
+    # uncached part is smaller is prefilled densely over whatever prefix is cached.
+    sparse_threshold: int = 8192
     sparse_keep: float = 0.2
     max_tokens: int = 4
     budget_pct: float = 50.0

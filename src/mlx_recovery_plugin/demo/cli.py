@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
+from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..testing.tiny_model import TinyModelSpec
 from .session import SessionSpec
 
@@ -22,31 +22,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PATH", help="an mlx-lm model directory (default: an embedded tiny model)")
     p.add_argument("--draft", metavar="PATH", help="draft model directory for the sparse route (default: the model itself)")
     p.add_argument("--host", choices=("mock", "omlx"), default="mock", help="mock host, or the real oMLX scheduler")
-    p.add_argument("--turns", type=int, default=7, help="turns in the session (default 7)")
+    p.add_argument("--turns", type=int, default=5, help="turns in the session (default 5: the real-server measurement's session)")
     p.add_argument("--repeats", type=int, default=1, help="serve the session this many times (spread of ratios)")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
     p.add_argument("--think-time", type=float, default=30.0, help="idle seconds between turns (simulated; default 30)")
     p.add_argument(
         "--sparse-threshold", type=int, default=None,
-        help="uncached tokens above which a turn takes the sparse route (default 512: every turn's append qualifies)",
+        help="uncached tokens above which a turn takes the sparse route (default 8192, the real server's: "
+        "a turn whose uncached part is smaller is prefilled densely over the cached prefix)",
     )
     p.add_argument("--slice-tokens", type=int, default=None, help="tokens per recovery slice (default: the prefill step)")
     p.add_argument("--quick", action="store_true", help="a small model and a short session (a smoke run)")
-    p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
+    add_openblas_flag(p)
     p.set_defaults(func=_run)
 
 
-def _maybe_reexec_with_openblas(args: argparse.Namespace) -> None:
-    """Float32 prefill is 15-20x faster on the system OpenBLAS than on MLX's bundled one."""
-    if args.no_openblas:
-        return
-    from ..runner.blas import reexec_with_openblas
-
-    reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
-
-
 def _run(args: argparse.Namespace) -> int:
-    _maybe_reexec_with_openblas(args)
+    maybe_reexec(args)  # float32 prefill is 15-20x faster on OpenBLAS than on MLX's bundled BLAS
     from .report import format_table, write_plot
     from .run import DemoConfig, progress_to_stderr, run_demo
 
@@ -73,6 +65,11 @@ def _run(args: argparse.Namespace) -> int:
         from ..hosts.omlx.session import run_omlx_demo
 
         report = run_omlx_demo(config, progress=progress_to_stderr)
+        from .report import ARMS
+        from .run import attach_balance, prepare_models
+
+        longest = report.repeats[0][ARMS[0]].turns[-1].prompt_tokens
+        attach_balance(report, prepare_models(config).model, longest, progress_to_stderr)
     else:
         report = run_demo(config, progress=progress_to_stderr)
     print(format_table(report))

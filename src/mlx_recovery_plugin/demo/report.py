@@ -50,6 +50,10 @@ class DemoReport:
     think_time_s: float
     budget_pct: float
     repeats: list[dict[str, ArmResult]] = field(default_factory=list)
+    # The target's cost balance at the session's longest context (bench/balance.py), and
+    # its one line; None (and the line says why) when it could not be measured.
+    balance: dict | None = None
+    balance_line: str = "cost balance: not measured"
 
     def foreground(self, arm: str) -> list[float]:
         return [r[arm].foreground_s for r in self.repeats]
@@ -82,6 +86,8 @@ class DemoReport:
             "sparse_threshold": self.sparse_threshold,
             "think_time_s": self.think_time_s,
             "budget_pct": self.budget_pct,
+            "balance": self.balance,
+            "balance_line": self.balance_line,
             "repeats": [
                 {arm: asdict(result) | {"foreground_s": result.foreground_s} for arm, result in r.items()}
                 for r in self.repeats
@@ -104,6 +110,7 @@ def format_table(report: DemoReport) -> str:
         f"model {report.model} | host {report.host} | BLAS {report.blas} | block {report.block_size} "
         f"| sparse threshold {report.sparse_threshold} | think time {report.think_time_s:g}s "
         f"| recovery budget {report.budget_pct:g}% | repeats {len(report.repeats)}",
+        report.balance_line,
         "",
         f"{'turn':>4} {'tokens':>7} | {'cached tokens':^22} | {'time to first token (s)':^26} | {'debt at start':^14}",
         f"{'':>4} {'':>7} | {'off':>6} {'on':>6} {'on+rec':>8} | {'off':>7} {'on':>7} {'on+rec':>10} | {'on':>6} {'on+rec':>7}",
@@ -153,9 +160,17 @@ def write_plot(report: DemoReport, path: str | Path) -> None:
     ax_t.set(title="time to first token", xlabel="turn", ylabel="seconds")
     ax_c.set(title="cached tokens restored", xlabel="turn", ylabel="tokens")
     for ax in (ax_t, ax_c):
+        ax.set_xticks(turns)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{report.model} on {report.host} ({report.blas})", fontsize=10)
+    balance = report.balance
+    balance_note = (
+        f"a token at {balance['context']:,} context costs {balance['ratio']:.2f}x one at 0 "
+        f"({balance['reference_model']}: {balance['reference']:.2f}x)"
+        if balance else "cost balance not measured"
+    )
+    blas = report.blas.split(" (")[0]  # the kind, without the library's path
+    fig.suptitle(f"{report.model} on {report.host}, {blas}\n{balance_note}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, TinyModelSpec, cached_model_dir, load_tiny_model
 from .arms import ArmSession, Models, ServeConfig
@@ -15,7 +16,7 @@ from .session import SessionSpec, build_session
 @dataclass(slots=True)
 class DemoConfig:
     session: SessionSpec = field(default_factory=SessionSpec)
-    serve: ServeConfig = field(default_factory=lambda: ServeConfig(model_id="tiny-llama-512x8"))
+    serve: ServeConfig = field(default_factory=lambda: ServeConfig(model_id=BENCH_TARGET.label))
     target: TinyModelSpec = BENCH_TARGET
     draft: TinyModelSpec = BENCH_DRAFT
     model_path: str | None = None
@@ -57,6 +58,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] | None = None) 
         budget_pct=config.serve.budget_pct,
     )
     say(f"session: {len(turns)} turns, {len(turns[0].prompt)} to {len(turns[-1].prompt)} tokens; BLAS: {report.blas}")
+    attach_balance(report, models.model, len(turns[-1].prompt), say)
     for repeat in range(config.repeats):
         arms = {arm: ArmSession(arm, models, config.serve) for arm in ARMS}
         try:
@@ -76,6 +78,17 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] | None = None) 
                 session.close()
         report.repeats.append({arm: s.result for arm, s in arms.items()})
     return report
+
+
+def attach_balance(report: DemoReport, model: Any, context: int, say: Callable[[str], None] | None = None) -> None:
+    """Measure the target's cost balance at the session's longest context into ``report``."""
+    from ..bench.balance import measure_or_say_why
+
+    (say or (lambda line: None))(f"measuring the target's cost balance at {context:,} tokens of context ...")
+    balance, report.balance_line = measure_or_say_why(model, context, repeats=5)
+    report.balance = balance.as_dict() if balance is not None else None
+    if say:
+        say(report.balance_line)
 
 
 def progress_to_stderr(line: str) -> None:

@@ -19,13 +19,18 @@ WORDS = ["scheduler", "cache", "block", "prefix", "engine", "token", "request", 
 
 @dataclass(slots=True, frozen=True)
 class SessionSpec:
-    """Sizes in characters; the demo's byte-level tokenizer makes that one token each."""
+    """Sizes in characters; the demo's byte-level tokenizer makes that one token each.
 
-    system_chars: int = 6000
-    turns: int = 7
-    tool_chars: int = 520
-    question_chars: int = 90
-    reply_chars: int = 90
+    The defaults are what an agent sends, as in the real-server measurement: an
+    ~8,500-token system prompt (over the real server's 8,192-token sparse threshold, so
+    the first turn takes the sparse route), then 4 more turns of ~600 tokens each: the
+    assistant's reply, a tool's output and a question."""
+
+    system_chars: int = 8500
+    turns: int = 5
+    tool_chars: int = 380
+    question_chars: int = 70
+    reply_chars: int = 150
     think_time_s: float = 30.0
     seed: int = 7
 

@@ -2,7 +2,7 @@
 of wall time it takes against its cap.
 
 Two measurements on the mock host with a random float32 llama (the runner bench's model,
-hidden 512, 8 layers, unless ``--model`` is given):
+BENCH_TARGET, unless ``--model`` is given):
 
 * **rate**: one engine, budget 100 %, a sparse-served prompt, then idle steps until the
   job is done; recovered tokens per idle second against plain mlx-lm chunked prefill of
@@ -30,6 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..bench.balance import measure_or_say_why
 from ..bench.stats import describe as describe_samples
 from ..plugins import make_plugin_manager
 from ..runner import blas
@@ -78,9 +79,10 @@ class BudgetBenchResult:
     model: str
     rate: RateResult | None
     budget: BudgetResult | None
+    balance_line: str = "cost balance: not measured"
 
     def summary(self) -> str:
-        lines = [f"BLAS: {self.blas}", f"model: {self.model}"]
+        lines = [f"BLAS: {self.blas}", f"model: {self.model}", self.balance_line]
         if self.rate is not None:
             r = self.rate
             lines.append(
@@ -218,6 +220,8 @@ def run_budget_bench(
     name, model = load_bench_model(model_dir)
     draft = _draft_model()
     out(f"model {name}, {blas.describe()}")
+    balance_line = measure_or_say_why(model, tokens)[1]
+    out(balance_line)
     rate_result = (
         measure_rate(model, draft, tokens=tokens, slice_tokens=slice_tokens, block_size=block_size, repeats=repeats, out=out)
         if rate
@@ -231,14 +235,14 @@ def run_budget_bench(
         if budget
         else None
     )
-    return BudgetBenchResult(blas.describe(), name, rate_result, budget_result)
+    return BudgetBenchResult(blas.describe(), name, rate_result, budget_result, balance_line)
 
 
 # -- command line ------------------------------------------------------------------------
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="mlx-lm model dir (default: a random float32 llama, hidden 512, 8 layers)")
+    parser.add_argument("--model", type=Path, default=None, help="mlx-lm model dir (default: BENCH_TARGET, two float32 llama layers of hidden 4,096, feed-forward 11,008)")
     parser.add_argument("--pct", type=float, default=10.0, help="budget cap, percent (default 10)")
     parser.add_argument("--window", type=float, default=10.0, dest="window_s", help="budget window, seconds (default 10, the setting's default)")
     parser.add_argument("--duration", type=float, default=60.0, dest="duration_s", help="idle wall time of the budget run, seconds (default 60)")
@@ -248,10 +252,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=256, dest="block_size", help="cache block size (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of the rate run (default 3)")
     parser.add_argument("--skip", choices=("rate", "budget"), default=None, help="leave one measurement out")
-    parser.add_argument(
-        "--no-openblas", action="store_true",
-        help="do not re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
-    )
+    blas.add_openblas_flag(parser)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -264,8 +265,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        blas.reexec_with_openblas("mlx_recovery_plugin.recovery.bench", _argv_of(args))
+    blas.maybe_reexec(args)
     result = run_budget_bench(
         args.model,
         pct=args.pct,
@@ -281,21 +281,6 @@ def handle_args(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     return 0
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    argv = [
-        "--pct", str(args.pct), "--window", str(args.window_s), "--duration", str(args.duration_s),
-        "--engines", str(args.engines), "--tokens", str(args.tokens), "--slice", str(args.slice_tokens),
-        "--block", str(args.block_size), "--repeats", str(args.repeats),
-    ]  # fmt: skip
-    if args.model is not None:
-        argv += ["--model", str(args.model)]
-    if args.no_openblas:
-        argv.append("--no-openblas")
-    if args.skip is not None:
-        argv += ["--skip", args.skip]
-    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:

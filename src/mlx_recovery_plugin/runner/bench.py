@@ -10,7 +10,7 @@ runner first on odd ones) so drift hits both. It prints:
 * arrival wait: the time from ``should_stop`` turning True to ``advance()`` returning,
   with interruptible slices and with whole slices, against one full slice's time.
 
-The default model is a random float32 llama (hidden 512, 8 layers) written once with
+The default model is a random float32 llama (BENCH_TARGET: two layers of hidden 4,096, feed-forward 11,008) written once with
 :mod:`mlx_recovery_plugin.testing.tiny_model`. Float32 on Linux is 15-20x faster with the
 system OpenBLAS preloaded; by default the bench re-executes itself with it when found.
 """
@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..bench.balance import measure_or_say_why
 from ..bench.stats import describe as describe_samples
 from ..kvcodec import cache_arrays
 from ..ports import FetchedPrefix
@@ -68,6 +69,8 @@ class RunnerBenchResult:
     full_slice_s: float = 0.0
     wait_interruptible_s: list[float] = field(default_factory=list)
     wait_whole_slice_s: list[float] = field(default_factory=list)
+    balance: dict[str, Any] | None = None  # bench/balance.py at ``tokens`` of context
+    balance_line: str = "cost balance: not measured"
 
     @property
     def ratios(self) -> list[float]:
@@ -79,6 +82,7 @@ class RunnerBenchResult:
         lines = [
             f"model {self.model}, {self.tokens} tokens, {self.slice_tokens}-token slices, "
             f"{self.block_size}-token blocks; BLAS: {self.blas}",
+            self.balance_line,
             f"plain mlx-lm : {describe_samples(self.plain_tps, '{:.0f}')} tokens/s",
             f"runner       : {describe_samples(self.runner_tps, '{:.0f}')} tokens/s",
             f"ratio        : {describe_samples(ratios, '{:.3f}')} (runner / plain, {len(ratios)} repeats)",
@@ -169,6 +173,9 @@ def run_runner_bench(
     out(f"warming up ({blas.describe()}) ...")
     _plain_prefill(handle, prompt[: slice_tokens + 1], slice_tokens)
     _runner_prefill(runner, prompt[: slice_tokens + 1], slice_tokens)
+    balance, result.balance_line = measure_or_say_why(model, tokens)
+    result.balance = balance.as_dict() if balance is not None else None
+    out(result.balance_line)
 
     for repeat in range(repeats):
         order = ("plain", "runner") if repeat % 2 == 0 else ("runner", "plain")
@@ -234,7 +241,7 @@ def _arrival_waits(
 def _configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", type=Path, default=None,
-        help="mlx-lm model dir (default: a random float32 llama, hidden 512, 8 layers)")
+        help="mlx-lm model dir (default: BENCH_TARGET, two float32 llama layers of hidden 4,096, feed-forward 11,008)")
     add("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     add("--slice", type=int, default=512, dest="slice_tokens",
         help="tokens per slice and per plain chunk (default 512)")
@@ -243,10 +250,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--arrivals", type=int, default=5, help="arrival-wait samples per mode (0: skip)")
     add("--no-interruptible", action="store_false", dest="interruptible",
         help="run the runner arm without stop checks")
-    parser.add_argument(
-        "--no-openblas", action="store_true",
-        help="do not re-run under the system OpenBLAS when MLX uses its slow bundled BLAS",
-    )
+    blas.add_openblas_flag(parser)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -259,8 +263,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        blas.reexec_with_openblas("mlx_recovery_plugin.runner.bench", _argv_of(args))
+    blas.maybe_reexec(args)
     result = run_runner_bench(
         args.model,
         tokens=args.tokens,
@@ -272,23 +275,6 @@ def handle_args(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     return 0
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    argv = [
-        "--tokens", str(args.tokens),
-        "--slice", str(args.slice_tokens),
-        "--block", str(args.block_size),
-        "--repeats", str(args.repeats),
-        "--arrivals", str(args.arrivals),
-    ]  # fmt: skip
-    if args.model is not None:
-        argv += ["--model", str(args.model)]
-    if args.no_openblas:
-        argv.append("--no-openblas")
-    if not args.interruptible:
-        argv.append("--no-interruptible")
-    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
