@@ -250,7 +250,7 @@ def choose_openblas(
     *,
     system: str | None = None,
     info: BlasInfo | None = None,
-    system_library: str | None | bool = False,
+    system_library: str | bool | None = False,
     wheel: tuple[Path | None, Path | None] | None = None,
 ) -> OpenblasChoice:
     """What to re-run under: the system OpenBLAS first, else the wheel's, else nothing and

@@ -577,12 +577,15 @@ class MockEngine:
         assert req.cache is not None
         chunk = req.feed[req.fed : req.fed + self._prefill_step]
         logits = self._model.model(mx.array(chunk)[None], cache=req.cache)
-        last = logits[0, -1]
-        _eval_cache(req.cache, last)
         req.fed += len(chunk)
         req.prefilled_tokens += len(chunk)
         if req.fed < len(req.feed):
+            # As mlx-lm's own prefill does: a chunk before the last one computes only what
+            # the cache keeps, not the last layer's output or the logits.
+            _eval_cache(req.cache)
             return
+        last = logits[0, -1]
+        _eval_cache(req.cache, last)
         req.feed = []
         req.first_logits = last
         req.output.append(int(mx.argmax(last).item()))
