@@ -17,10 +17,10 @@ import json
 import sys
 from dataclasses import asdict, replace
 
+from mlx_recovery_plugin.demo.omlx import ARMS, config_from_demo, run_omlx_session
 from mlx_recovery_plugin.demo.report import ARM_TITLES
 from mlx_recovery_plugin.demo.run import DemoConfig, prepare_models
 from mlx_recovery_plugin.demo.session import SessionSpec, build_session
-from mlx_recovery_plugin.hosts.omlx.session import ARMS, config_from_demo, run_omlx_session
 from mlx_recovery_plugin.runner.blas import describe, warn_once_if_slow
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mlx_recovery_plugin.adopter.bench import add_parser, run_adopter_bench
+from mlx_recovery_plugin.bench.adopter import add_parser, run_adopter_bench
 
 
 @pytest.fixture(scope="module")

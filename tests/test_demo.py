@@ -88,7 +88,7 @@ def test_demo_command_writes_json_and_plot(toy_config: DemoConfig, tmp_path: Pat
 
 def test_demo_on_the_real_omlx_scheduler_reports_the_same_shape(toy_config: DemoConfig) -> None:
     pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it")
-    from mlx_recovery_plugin.hosts.omlx.session import run_omlx_demo
+    from mlx_recovery_plugin.demo.omlx import run_omlx_demo
 
     report = run_omlx_demo(toy_config)
     (run,) = report.repeats

@@ -12,8 +12,8 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
 from mlx_recovery_plugin.testing.contract import HostContractSuite
+from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 

@@ -17,9 +17,9 @@ omlx = pytest.importorskip(
 
 from mlx_recovery_plugin.events import IdleStep
 from mlx_recovery_plugin.hookspecs import hookimpl
-from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
 from mlx_recovery_plugin.hosts.omlx.idle_driver import IdleDriver
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens
+from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 

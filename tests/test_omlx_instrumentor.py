@@ -17,6 +17,11 @@ omlx = pytest.importorskip(
 from omlx.engine_core import EngineCore
 from omlx.scheduler import Scheduler
 
+from mlx_recovery_plugin.demo.omlx import (
+    OmlxServeConfig,
+    make_scheduler,
+    serve,
+)
 from mlx_recovery_plugin.hookspecs import hookimpl
 from mlx_recovery_plugin.hosts import (
     HostAdapter,
@@ -31,15 +36,10 @@ from mlx_recovery_plugin.hosts.omlx.instrumentor import (
     iter_wrapped,
     parse_version,
 )
-from mlx_recovery_plugin.hosts.omlx.session import (
-    OmlxServeConfig,
-    make_request,
-    make_scheduler,
-    serve,
-)
 from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens
+from mlx_recovery_plugin.testing.omlx_host import make_request
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 CONFIG = OmlxServeConfig(model_id="tiny", block_size=64, prefill_step=128, max_cache_blocks=256)
@@ -262,7 +262,7 @@ def test_a_request_refused_at_the_door_departs_and_a_duplicate_id_is_reported_on
     from omlx.exceptions import SchedulerQueueFullError
 
     from mlx_recovery_plugin.events import DepartureReason
-    from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
+    from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 
     model, tokenizer = models
     host = OmlxContractHost(model, tokenizer, plugins=[recorder])

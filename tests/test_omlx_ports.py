@@ -16,19 +16,19 @@ omlx = pytest.importorskip(
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_recovery_plugin.hosts.omlx.ports import OmlxEngine, model_id_of
-from mlx_recovery_plugin.hosts.omlx.session import (
+from mlx_recovery_plugin.demo.omlx import (
     OmlxServeConfig,
     held_references,
-    make_request,
     make_scheduler,
     serve,
     wait_for_cache_writes,
 )
+from mlx_recovery_plugin.hosts.omlx.ports import OmlxEngine, model_id_of
 from mlx_recovery_plugin.kvcodec import blocks_from_cache
 from mlx_recovery_plugin.ports import EnginePort, ModelHandle, PrefixCachePort
 from mlx_recovery_plugin.state import BlockState, KVBlock
 from mlx_recovery_plugin.testing.contract import contract_tokens
+from mlx_recovery_plugin.testing.omlx_host import make_request
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 BLOCK = 64

@@ -15,14 +15,14 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
+from mlx_recovery_plugin.demo.omlx import OmlxArm, OmlxServeConfig
 from mlx_recovery_plugin.hookspecs import hookimpl
-from mlx_recovery_plugin.hosts.omlx.contract_host import OmlxContractHost
-from mlx_recovery_plugin.hosts.omlx.session import OmlxArm, OmlxServeConfig
 from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.recovery.service import default_runner_factory
 from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens, stored_tokens
+from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 BLOCK = 64

@@ -21,10 +21,10 @@ COMMAND_MODULES = (
     "mlx_recovery_plugin.control_cli",
 )
 BENCH_MODULES = (
-    "mlx_recovery_plugin.runner.bench",
-    "mlx_recovery_plugin.adopter.bench",
+    "mlx_recovery_plugin.bench.runner",
+    "mlx_recovery_plugin.bench.adopter",
     "mlx_recovery_plugin.bench.interference",
-    "mlx_recovery_plugin.recovery.bench",
+    "mlx_recovery_plugin.bench.budget",
     "mlx_recovery_plugin.bench.efficiency",
 )
 

@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.sparse_threshold is not None:
         config.serve = dataclasses.replace(config.serve, sparse_threshold=args.sparse_threshold)
     if args.host == "omlx":
-        from ..hosts.omlx.session import run_omlx_demo
+        from .omlx import run_omlx_demo
 
         report = run_omlx_demo(config, progress=progress_to_stderr)
         from .report import ARMS

@@ -36,7 +36,7 @@ def prepare_models(config: DemoConfig) -> Models:
     return Models(model, tokenizer, draft)
 
 
-def _encoder(tokenizer) -> Callable[[str], list[int]]:
+def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -47,7 +47,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] | None = None) 
     warn_once_if_slow()
     say = progress or (lambda line: None)
     models = prepare_models(config)
-    turns = build_session(config.session, _encoder(models.tokenizer))
+    turns = build_session(config.session, text_encoder(models.tokenizer))
     report = DemoReport(
         model=config.model_path or config.serve.model_id,
         host=config.host,

@@ -30,15 +30,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..bench.balance import measure_or_say_why
-from ..bench.stats import describe as describe_samples
 from ..plugins import make_plugin_manager
+from ..recovery.plugin import RecoveryPlugin
 from ..runner import blas
-from ..runner.bench import _Handle, _plain_prefill, bench_tokens, load_bench_model
 from ..settings import RecoverySettings
 from ..testing.host import MockHost
 from ..testing.tiny_model import BENCH_DRAFT, cached_model_dir, load_tiny_model
-from .plugin import RecoveryPlugin
+from .balance import measure_or_say_why
+from .runner import BenchHandle, bench_tokens, load_bench_model, plain_prefill
+from .stats import describe as describe_samples
 
 MODEL_ID = "bench"
 
@@ -134,14 +134,14 @@ def measure_rate(
     out: Callable[[str], None],
 ) -> RateResult:
     result = RateResult(tokens, slice_tokens)
-    handle = _Handle(MODEL_ID, model)
-    _plain_prefill(handle, bench_tokens(slice_tokens + 1), slice_tokens)  # warm-up
+    handle = BenchHandle(MODEL_ID, model)
+    plain_prefill(handle, bench_tokens(slice_tokens + 1), slice_tokens)  # warm-up
     for repeat in range(repeats):
         prompt = bench_tokens(tokens, seed=100 + repeat)
         for arm in (("plain", "recovery") if repeat % 2 == 0 else ("recovery", "plain")):
             if arm == "plain":
                 started = time.perf_counter()
-                _plain_prefill(handle, prompt, slice_tokens)
+                plain_prefill(handle, prompt, slice_tokens)
                 result.plain_tps.append(tokens / (time.perf_counter() - started))
                 continue
             host, plugin = _host(_settings(100.0, 10.0, slice_tokens), model, draft, ["e"], block_size, slice_tokens)

@@ -31,16 +31,38 @@ from typing import Any
 
 import pluggy
 
-from ...plugins import make_plugin_manager
-from ...ports import HOLDER_PREFIX
-from ...settings import RecoverySettings
-from .instrumentor import OmlxInstrumentor
-from .ports import OmlxEngine
-from .session import make_request
+from ..hosts.omlx.instrumentor import OmlxInstrumentor
+from ..hosts.omlx.ports import OmlxEngine
+from ..plugins import make_plugin_manager
+from ..ports import HOLDER_PREFIX
+from ..settings import RecoverySettings
 
 _names = itertools.count(1)
 _MAX_STEPS = 100_000
 
+
+
+def make_request(
+    request_id: str,
+    prompt: Sequence[int],
+    *,
+    max_tokens: int,
+    sparse: bool,
+    threshold: int = 1024,
+    keep_pct: float = 0.2,
+) -> Any:
+    """A greedy oMLX request; ``sparse`` opts it into SpecPrefill (as ``EngineCore`` does)."""
+    from omlx.request import Request, SamplingParams
+
+    request = Request(
+        request_id=request_id,
+        prompt=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+    request._specprefill_enabled = sparse
+    request._specprefill_threshold = threshold
+    request._specprefill_keep_pct = keep_pct
+    return request
 
 @dataclass(slots=True)
 class OmlxResult:

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...demo.arms import ServeConfig, VirtualClock, arm_recovery_plugin
-from ...demo.report import ArmResult, TurnResult
-from ...plugins import make_plugin_manager
-from ...recovery.plugin import RecoveryPlugin
-from ...settings import RecoverySettings
-from .instrumentor import OmlxInstrumentor
+from ..hosts.omlx.instrumentor import OmlxInstrumentor
+from ..plugins import make_plugin_manager
+from ..recovery.plugin import RecoveryPlugin
+from ..settings import RecoverySettings
+from ..testing.omlx_host import make_request
+from .arms import ServeConfig, VirtualClock, arm_recovery_plugin
+from .report import ArmResult, TurnResult
 
 ARMS = ("sparse_off", "sparse_on", "sparse_recovery")
 # Steps one turn may take before the session gives up on it (a stuck host).
@@ -94,29 +95,6 @@ def make_scheduler(
     if draft is not None:
         scheduler.set_specprefill_draft_model(draft)
     return scheduler
-
-
-def make_request(
-    request_id: str,
-    prompt: Sequence[int],
-    *,
-    max_tokens: int,
-    sparse: bool,
-    threshold: int = 1024,
-    keep_pct: float = 0.2,
-) -> Any:
-    """A greedy oMLX request; ``sparse`` opts it into SpecPrefill (as ``EngineCore`` does)."""
-    from omlx.request import Request, SamplingParams
-
-    request = Request(
-        request_id=request_id,
-        prompt=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-    )
-    request._specprefill_enabled = sparse
-    request._specprefill_threshold = threshold
-    request._specprefill_keep_pct = keep_pct
-    return request
 
 
 @dataclass(slots=True)
@@ -310,14 +288,14 @@ def run_omlx_session(
 
 def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
     """``mlx-recovery demo --host omlx``: the demo's session and report, on real oMLX."""
-    from ...demo.report import DemoReport
-    from ...demo.run import _encoder, prepare_models
-    from ...demo.session import build_session
-    from ...runner.blas import describe
+    from ..runner.blas import describe
+    from .report import DemoReport
+    from .run import prepare_models, text_encoder
+    from .session import build_session
 
     say = progress or (lambda line: None)
     models = prepare_models(demo_config)
-    turns = build_session(demo_config.session, _encoder(models.tokenizer))
+    turns = build_session(demo_config.session, text_encoder(models.tokenizer))
     config = config_from_demo(demo_config.serve, demo_config.session.think_time_s)
     report = DemoReport(
         model=demo_config.model_path or demo_config.serve.model_id,

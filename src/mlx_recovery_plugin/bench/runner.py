@@ -28,17 +28,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..bench.balance import measure_or_say_why
-from ..bench.stats import describe as describe_samples
 from ..kvcodec import cache_arrays
 from ..ports import FetchedPrefix
+from ..runner import SliceRunner, blas
 from ..state import BlockState
-from . import blas
-from .runner import SliceRunner
+from .balance import measure_or_say_why
+from .stats import describe as describe_samples
 
 
 @dataclass(slots=True)
-class _Handle:
+class BenchHandle:
     """A ModelHandle over a loaded mlx-lm model."""
 
     model_id: str
@@ -119,7 +118,7 @@ def bench_tokens(n: int, vocab: int = 256, seed: int = 1) -> list[int]:
     return [(seed * 7919 + i * 131 + (i * i) % 17) % vocab for i in range(n)]
 
 
-def _plain_prefill(handle: _Handle, tokens: Sequence[int], chunk: int) -> list[Any]:
+def plain_prefill(handle: BenchHandle, tokens: Sequence[int], chunk: int) -> list[Any]:
     """mlx-lm's own prefill loop: one chunk, evaluate the cache, free the buffer cache."""
     cache = handle.make_cache()
     for start in range(0, len(tokens), chunk):
@@ -166,12 +165,12 @@ def run_runner_bench(
 ) -> RunnerBenchResult:
     """Measure the runner against plain mlx-lm prefill; see the module docstring."""
     name, model = load_bench_model(model_dir)
-    handle = _Handle(name, model)
+    handle = BenchHandle(name, model)
     prompt = bench_tokens(tokens)
     runner = SliceRunner(handle, block_size, interruptible=interruptible)
     result = RunnerBenchResult(blas.describe(), name, tokens, slice_tokens, block_size)
     out(f"warming up ({blas.describe()}) ...")
-    _plain_prefill(handle, prompt[: slice_tokens + 1], slice_tokens)
+    plain_prefill(handle, prompt[: slice_tokens + 1], slice_tokens)
     _runner_prefill(runner, prompt[: slice_tokens + 1], slice_tokens)
     balance, result.balance_line = measure_or_say_why(model, tokens)
     result.balance = balance.as_dict() if balance is not None else None
@@ -181,7 +180,7 @@ def run_runner_bench(
         order = ("plain", "runner") if repeat % 2 == 0 else ("runner", "plain")
         for arm in order:
             if arm == "plain":
-                s, peak, held, _ = _measure(lambda: _plain_prefill(handle, prompt, slice_tokens))
+                s, peak, held, _ = _measure(lambda: plain_prefill(handle, prompt, slice_tokens))
                 result.plain_tps.append(tokens / s)
                 result.plain_peak_extra.append(peak)
                 result.plain_transient.append(peak - held)
@@ -204,7 +203,7 @@ def run_runner_bench(
 
 
 def _arrival_waits(
-    handle: _Handle,
+    handle: BenchHandle,
     prompt: Sequence[int],
     slice_tokens: int,
     block_size: int,

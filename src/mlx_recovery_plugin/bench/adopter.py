@@ -26,12 +26,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from ..adopter.plugin import AdopterPlugin
 from ..events import PrefixLookup
 from ..plugins import make_plugin_manager
 from ..settings import RecoverySettings
 from ..testing.block_pool import BlockPool
 from ..testing.detached_store import Admission, DetachedSet, DetachedStore
-from .plugin import AdopterPlugin
 
 ARMS = ("plain", "clone", "trim")
 DECISION_GOAL_US = 1000.0
