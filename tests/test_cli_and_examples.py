@@ -45,3 +45,22 @@ def test_host_wiring_example_finds_the_plugins_through_entry_points_and_recovers
     assert done.returncode == 0, done.stderr
     assert "plugins loaded: ['adopter', 'recovery'] failed: {}" in done.stdout
     assert "prefix now restorable: 384 of 400 tokens" in done.stdout
+
+
+def test_a_broken_subcommand_module_is_an_error_not_a_missing_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_recovery_plugin import cli
+
+    monkeypatch.setattr(cli, "BENCH_MODULES", (*cli.BENCH_MODULES, "mlx_recovery_plugin.bench.no_such_bench"))
+    with pytest.raises(ModuleNotFoundError, match="no_such_bench"):
+        cli.build_parser()
+
+
+def test_a_missing_optional_dependency_costs_only_its_subcommand(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from mlx_recovery_plugin import cli
+
+    module = tmp_path / "needs_missing_dep.py"
+    module.write_text("import some_package_that_is_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "BENCH_MODULES", (*cli.BENCH_MODULES, "needs_missing_dep"))
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench", "adopter"]).suite == "adopter", "the other benches stay"

@@ -1,8 +1,9 @@
 """``mlx-recovery``: the command line.
 
 Subcommands live next to what they drive; each module offers ``add_parser(subparsers)``
-and sets ``func`` on its parser. A module that cannot be imported (a missing optional
-dependency) costs only its own subcommand.
+and sets ``func`` on its parser. A module whose optional third-party dependency is
+missing costs only its own subcommand (and says so with ``-v``); any other import error,
+a bug in this package included, is raised.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def _add_modules(subparsers: argparse._SubParsersAction, modules: Sequence[str])
     for name in modules:
         try:
             module = importlib.import_module(name)
-        except ImportError as exc:
-            log.debug("subcommands of %s unavailable: %s", name, exc)
+        except ModuleNotFoundError as exc:
+            if not exc.name or exc.name.split(".")[0] == __package__:
+                raise
+            log.info("subcommands of %s unavailable: %s is not installed", name, exc.name)
             continue
         module.add_parser(subparsers)
 

@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -55,7 +56,21 @@ from .wrappers import FACTORIES
 log = logging.getLogger(__name__)
 
 #: oMLX releases this adapter was written against: ``>= 0.7, < 0.8``.
-SUPPORTED_VERSIONS = ((0, 7), (0, 8))
+@dataclass(slots=True, frozen=True)
+class VersionRange:
+    """Versions ``>= low`` and ``< high``."""
+
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+
+    def __contains__(self, version: tuple[int, ...]) -> bool:
+        return self.low <= version < self.high
+
+    def __str__(self) -> str:
+        return f">={'.'.join(map(str, self.low))},<{'.'.join(map(str, self.high))}"
+
+
+SUPPORTED_VERSIONS = VersionRange((0, 7), (0, 8))
 
 SCHEDULER_METHODS = tuple(name for cls, name in FACTORIES if cls == "Scheduler")
 ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCore")
@@ -83,9 +98,8 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 def version_supported(version: str) -> bool:
-    low, high = SUPPORTED_VERSIONS
     parsed = parse_version(version)
-    return bool(parsed) and low <= parsed < high
+    return bool(parsed) and parsed in SUPPORTED_VERSIONS
 
 
 class OmlxInstrumentor:
@@ -132,10 +146,9 @@ class OmlxInstrumentor:
             }
             version = _omlx_version()
             if not version_supported(version):
-                low, high = (".".join(map(str, v)) for v in SUPPORTED_VERSIONS)
                 log.warning(
-                    "mlx-recovery: oMLX %s is not supported (this adapter knows >=%s,<%s); "
-                    "not attaching", version, low, high,
+                    "mlx-recovery: oMLX %s is not supported (this adapter knows %s); "
+                    "not attaching", version, SUPPORTED_VERSIONS,
                 )
                 return False
             wanted = [*FACTORIES, *(("Scheduler", n) for n in SCHEDULER_NEEDS)]
