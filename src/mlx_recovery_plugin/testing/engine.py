@@ -31,11 +31,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..events import (
     DepartureReason,
@@ -49,101 +47,22 @@ from ..kvcodec import UnsupportedCacheError, blocks_from_cache, cache_from_block
 from ..plugins import HookEmitter
 from .block_pool import BlockPool
 from .prefix_cache import PagedPrefixCache
+from .requests import (
+    DECODE,
+    DONE,
+    PREFILL,
+    SCORING,
+    SPARSE_TAIL_TOKENS,
+    EngineRequest,
+    LoadedModel,
+    RequestResult,
+    eval_cache,
+)
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 T = TypeVar("T")
-
-# The end of a prompt (usually the question itself) always survives sparse selection.
-SPARSE_TAIL_TOKENS = 8
-
-WAITING, SCORING, PREFILL, DECODE, DONE = "waiting", "scoring", "prefill", "decode", "done"
-
-
-@dataclass(slots=True, frozen=True)
-class RequestResult:
-    """What one request got. ``ttft_s`` runs from submit to the first token (None if it
-    never got one); ``first_logits`` are the next-token logits right after prefill;
-    ``route`` is ``"dense"``, ``"sparse"`` or ``"none"`` (left before admission);
-    ``prefilled_tokens`` the target model's prefill work, ``draft_tokens`` the draft's."""
-
-    request_id: str
-    prompt_tokens: tuple[int, ...]
-    output_tokens: tuple[int, ...]
-    cached_tokens: int
-    ttft_s: float | None
-    route: str
-    first_logits: mx.array | None = field(default=None, repr=False, compare=False)
-    engine_id: str = ""
-    reason: DepartureReason = DepartureReason.FINISHED
-    prefilled_tokens: int = 0
-    draft_tokens: int = 0
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    """A loaded mlx-lm model; satisfies :class:`mlx_recovery_plugin.ports.ModelHandle`."""
-
-    model_id: str
-    model: Any
-    tokenizer: Any = None
-    stream: Any = None
-
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sparse: bool
-    submitted_at: float
-    phase: str = WAITING
-    route: str = "none"
-    cached_tokens: int = 0
-    cache: list[Any] | None = None
-    feed: list[int] = field(default_factory=list)  # target tokens still to prefill
-    fed: int = 0
-    draft_cache: list[Any] | None = None
-    scored: int = 0
-    scores: list[mx.array] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
-    first_logits: mx.array | None = None
-    ttft_s: float | None = None
-    reason: DepartureReason | None = None
-    prefilled_tokens: int = 0
-    draft_tokens: int = 0
-    admitted_at: float | None = None
-
-    def result(self, engine_id: str) -> RequestResult:
-        return RequestResult(
-            request_id=self.request_id,
-            prompt_tokens=self.prompt,
-            output_tokens=tuple(self.output),
-            cached_tokens=self.cached_tokens,
-            ttft_s=self.ttft_s,
-            route=self.route,
-            first_logits=self.first_logits,
-            engine_id=engine_id,
-            reason=self.reason or DepartureReason.FINISHED,
-            prefilled_tokens=self.prefilled_tokens,
-            draft_tokens=self.draft_tokens,
-        )
-
-
-def _eval_cache(cache: Sequence[Any], *arrays: mx.array) -> None:
-    """Evaluate a chunk's outputs together with every layer's cache buffers."""
-    parts: list[Any] = list(arrays)
-    for layer in cache:
-        if isinstance(layer, ArraysCache):
-            parts.extend(a for a in layer.cache if a is not None)
-        elif getattr(layer, "keys", None) is not None:
-            parts.extend((layer.keys, layer.values))
-    mx.eval(parts)
-
 
 class MockEngine:
     """One model with its scheduler, queues, block pool and prefix cache.
@@ -190,15 +109,15 @@ class MockEngine:
 
         self._cond = threading.Condition()
         # Guarded by _cond (any thread may add; the owner thread takes).
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._departing: list[_Request] = []
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+        self._departing: list[EngineRequest] = []
         self._aborts: deque[str] = deque()
         self._abort_all_pending = False
         self._fail_pending: list[str] = []
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._wake = False
-        self._requests: dict[str, _Request] = {}  # submitted and not yet departed
+        self._requests: dict[str, EngineRequest] = {}  # submitted and not yet departed
 
         # Owner thread only.
         self.results: dict[str, RequestResult] = {}
@@ -269,7 +188,7 @@ class MockEngine:
             raise ValueError("a request needs at least one prompt token")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        req = _Request(request_id, prompt, max_tokens, sparse, submitted_at=self.clock())
+        req = EngineRequest(request_id, prompt, max_tokens, sparse, submitted_at=self.clock())
         with self._cond:
             if self.closed:
                 raise RuntimeError(f"engine {self.engine_id!r} is shut down")
@@ -422,7 +341,7 @@ class MockEngine:
         for req in departing:
             self._finalize(req)
 
-    def _finalize(self, req: _Request) -> None:
+    def _finalize(self, req: EngineRequest) -> None:
         self._prefix_cache.release(req.request_id)
         with self._cond:
             self._requests.pop(req.request_id, None)
@@ -460,11 +379,11 @@ class MockEngine:
         for req in self._live_requests():
             self._clean_up(req, DepartureReason.FAILED)
 
-    def _live_requests(self) -> list[_Request]:
+    def _live_requests(self) -> list[EngineRequest]:
         with self._cond:
             return list(self._waiting) + list(self._running)
 
-    def _clean_up(self, req: _Request, reason: DepartureReason) -> None:
+    def _clean_up(self, req: EngineRequest, reason: DepartureReason) -> None:
         """First phase of departure: drop the request's state; final removal next step."""
         req.phase = DONE
         req.reason = req.reason or reason
@@ -492,7 +411,7 @@ class MockEngine:
         for req in departing:
             self._finalize(req)
 
-    def _wants_sparse(self, req: _Request, cached: int) -> bool:
+    def _wants_sparse(self, req: EngineRequest, cached: int) -> bool:
         return (
             req.sparse
             and self.draft is not None
@@ -521,7 +440,7 @@ class MockEngine:
             if req.route == "sparse":
                 return
 
-    def _admit(self, req: _Request) -> None:
+    def _admit(self, req: EngineRequest) -> None:
         # At least the last prompt token is always prefilled, for the first logits.
         prefix = self._prefix_cache.fetch(req.request_id, req.prompt[:-1])
         req.cached_tokens = prefix.tokens
@@ -550,14 +469,14 @@ class MockEngine:
             elif req.phase == DECODE:
                 self._decode_one(req)
 
-    def _score_chunk(self, req: _Request) -> None:
+    def _score_chunk(self, req: EngineRequest) -> None:
         """The draft reads one chunk of the uncached range; after the last chunk the kept
         share becomes the target's prefill feed."""
         assert self.draft is not None and req.draft_cache is not None
         chunk = req.feed[req.scored : req.scored + self._prefill_step]
         logits = self.draft.model(mx.array(chunk)[None], cache=req.draft_cache)
         score = logits[0].max(axis=-1)
-        _eval_cache(req.draft_cache, score)
+        eval_cache(req.draft_cache, score)
         req.scores.append(score)
         req.scored += len(chunk)
         req.draft_tokens += len(chunk)
@@ -573,7 +492,7 @@ class MockEngine:
         req.draft_cache, req.scores = None, []
         req.phase = PREFILL
 
-    def _prefill_chunk(self, req: _Request) -> None:
+    def _prefill_chunk(self, req: EngineRequest) -> None:
         assert req.cache is not None
         chunk = req.feed[req.fed : req.fed + self._prefill_step]
         logits = self._model.model(mx.array(chunk)[None], cache=req.cache)
@@ -582,10 +501,10 @@ class MockEngine:
         if req.fed < len(req.feed):
             # As mlx-lm's own prefill does: a chunk before the last one computes only what
             # the cache keeps, not the last layer's output or the logits.
-            _eval_cache(req.cache)
+            eval_cache(req.cache)
             return
         last = logits[0, -1]
-        _eval_cache(req.cache, last)
+        eval_cache(req.cache, last)
         req.feed = []
         req.first_logits = last
         req.output.append(int(mx.argmax(last).item()))
@@ -606,16 +525,16 @@ class MockEngine:
         if len(req.output) >= req.max_tokens:
             self._clean_up(req, DepartureReason.FINISHED)
 
-    def _decode_one(self, req: _Request) -> None:
+    def _decode_one(self, req: EngineRequest) -> None:
         assert req.cache is not None
         logits = self._model.model(mx.array([[req.output[-1]]]), cache=req.cache)
         last = logits[0, -1]
-        _eval_cache(req.cache, last)
+        eval_cache(req.cache, last)
         req.output.append(int(mx.argmax(last).item()))
         if len(req.output) >= req.max_tokens:
             self._clean_up(req, DepartureReason.FINISHED)
 
-    def _store_prompt(self, req: _Request) -> None:
+    def _store_prompt(self, req: EngineRequest) -> None:
         """Store the prompt's whole blocks that the fetch did not already restore."""
         assert req.cache is not None
         size = self._block_size

@@ -35,11 +35,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from ...kvcodec import UnsupportedCacheError, blocks_from_cache
+from ...kvcodec import UnsupportedCacheError
 from ...ports import HOLDER_PREFIX, FetchedPrefix
-from ...state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
+from ...state import BlockState
+from .codec import blocks_of_restored, cache_of_block
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class OmlxPrefixCache:
             return FetchedPrefix(tokens=0)
         size = int(cache.block_size)
         n_blocks = int(block_table.num_tokens) // size
-        blocks = _blocks_of(restored, n_blocks, size)
+        blocks = blocks_of_restored(restored, n_blocks, size)
         return FetchedPrefix(tokens=n_blocks * size, blocks=tuple(blocks))
 
     def release(self, holder_id: str) -> None:
@@ -191,7 +192,7 @@ class OmlxPrefixCache:
                     return held
             for block in blocks:
                 end = (block.index + 1) * size
-                one_block = _cache_of_block(scheduler.model, block)
+                one_block = cache_of_block(scheduler.model, block)
                 records, cache_config = scheduler._extract_cache_states(one_block)
                 if not records:
                     break
@@ -249,54 +250,6 @@ def host_buffer_lock(scheduler: Any) -> Any:
     module = sys.modules.get(type(scheduler).__module__)
     lock = getattr(module, "_mx_buffer_access_lock", None)
     return lock if lock is not None else nullcontext()
-
-
-def _cache_of_block(model: Any, block: BlockState) -> list[Any]:
-    """A one-block mlx-lm cache holding exactly ``block``'s state."""
-    cache = make_prompt_cache(model)
-    if len(cache) != len(block.layers):
-        raise UnsupportedCacheError(
-            f"block has {len(block.layers)} layers, the model's cache {len(cache)}"
-        )
-    for i, (layer, part) in enumerate(zip(cache, block.layers)):
-        if isinstance(layer, ArraysCache):
-            if not isinstance(part, RecurrentSnapshot) or not part.arrays:
-                raise UnsupportedCacheError(f"layer {i}: no recurrent snapshot in block {block.index}")
-            layer.cache = list(part.arrays)
-        elif isinstance(layer, RotatingKVCache):
-            raise UnsupportedCacheError(f"layer {i}: sliding-window layers are not stored per block")
-        elif isinstance(layer, KVCache):
-            if not isinstance(part, KVBlock):
-                raise UnsupportedCacheError(f"layer {i}: expected keys/values in block {block.index}")
-            layer.keys, layer.values = part.keys, part.values
-            layer.offset = int(part.keys.shape[2])
-        else:
-            raise UnsupportedCacheError(f"layer {i}: cannot store {type(layer).__name__}")
-    return cache
-
-
-def _blocks_of(restored: list[Any], n_blocks: int, block_size: int) -> list[BlockState]:
-    """Blocks ``0..n_blocks-1`` of a cache oMLX rebuilt from its stored blocks.
-
-    Recurrent layers are restored at the last block only, so earlier blocks carry an
-    empty snapshot there (enough to rebuild the cache, never stored again).
-    """
-    if n_blocks == 0:
-        return []
-    if not any(isinstance(layer, ArraysCache) for layer in restored):
-        return blocks_from_cache(restored, 0, n_blocks, block_size)
-    blocks = []
-    for index in range(n_blocks):
-        start, end = index * block_size, (index + 1) * block_size
-        layers: list[LayerBlock] = []
-        for layer in restored:
-            if isinstance(layer, ArraysCache):
-                arrays = tuple(layer.cache) if index == n_blocks - 1 else ()
-                layers.append(RecurrentSnapshot(arrays))
-            else:
-                layers.append(KVBlock(layer.keys[..., start:end, :], layer.values[..., start:end, :]))
-        blocks.append(BlockState(index, tuple(layers)))
-    return blocks
 
 
 class OmlxEngine:
