@@ -25,6 +25,7 @@ BENCH_MODULES = (
     "mlx_recovery_plugin.adopter.bench",
     "mlx_recovery_plugin.bench.interference",
     "mlx_recovery_plugin.recovery.bench",
+    "mlx_recovery_plugin.bench.server.cli",
 )
 
 log = logging.getLogger(__name__)
