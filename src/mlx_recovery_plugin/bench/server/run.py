@@ -4,7 +4,8 @@ sparse off: SpecPrefill off, no plugin. sparse on: SpecPrefill on, no plugin. sp
 recovery: SpecPrefill on, the plugin attached through environment variables only, and
 its status read over the control socket after every turn. Sparse off and sparse on do
 nothing while idle, so they wait only ``idle_wait_s`` between turns (the server's own
-cache store finishes within it); the recovery arm waits the real think time.
+cache store finishes within it); the recovery arm waits the real think time. Every server
+answers one short warm-up request first, so no turn pays for loading the models.
 
 Threads: everything runs on the caller's thread; each server is its own process group.
 """
@@ -106,6 +107,8 @@ def run_arm(
     with ServerProcess(spec) as server:
         progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
         client = make_client(server.base_url)
+        # Load the model (and the draft) before the clock runs: oMLX loads on first use.
+        send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1)
         for index, step in enumerate(session.steps):
             measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens)
             last = index == len(session.steps) - 1
