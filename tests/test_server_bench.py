@@ -245,3 +245,13 @@ def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_p
     for run in (off, rec):
         assert not run.traceback_in_log, Path(run.log_path).read_text()[-3000:]
     assert not process._live
+
+
+def test_the_bench_is_a_subcommand_with_its_options() -> None:
+    from mlx_recovery_plugin.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "server", "--quick", "--sessions", "agent", "fork", "--think-time", "5", "--budget", "20"]
+    )
+    assert args.func.__module__ == "mlx_recovery_plugin.bench.server.cli"
+    assert (args.sessions, args.think_time, args.budget) == (["agent", "fork"], 5.0, 20.0)

@@ -7,10 +7,14 @@ import dataclasses
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...runner.blas import reexec_with_openblas
 from .models import QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
-from .sessions import DEFAULT_CURVE, SESSION_NAMES, Shape
+from .sessions import DEFAULT_CURVE, SESSION_NAMES
+
+if TYPE_CHECKING:
+    from .run import BenchConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,8 +48,8 @@ def progress_to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _config(args: argparse.Namespace, workdir: Path):  # noqa: ANN202 - BenchConfig, imported late
-    from .run import BenchConfig
+def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
+    from .run import BenchConfig  # noqa: PLC0415 - imports mlx; the parser must not
 
     config = BenchConfig(workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy)
     if args.quick:
@@ -67,7 +71,7 @@ def _config(args: argparse.Namespace, workdir: Path):  # noqa: ANN202 - BenchCon
     if args.curve:
         config.curve = tuple(args.curve)
     if args.turns is not None:
-        config.shape = Shape(**{**{f: getattr(config.shape, f) for f in config.shape.__dataclass_fields__}, "turns": args.turns})
+        config.shape = dataclasses.replace(config.shape, turns=args.turns)
     return config
 
 

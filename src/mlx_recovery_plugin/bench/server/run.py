@@ -12,6 +12,7 @@ Threads: everything runs on the caller's thread; each server is its own process 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -150,7 +151,8 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
 
     pair = _pair(config, progress)
     report = BenchReport(
-        target=pair.target_id, draft=pair.draft_id, host=_host_version(), blas=describe(),
+        target=pair.target_id, draft=pair.draft_id, host=_host_version(),
+        blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
     )
@@ -170,7 +172,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
 def run_curve(config: BenchConfig, pair: ModelPair, progress: Progress) -> list[CurvePoint]:
     """The recovery arm's benefit against think time; sparse off and on do not depend on
     it, so they run once."""
-    shape = sessions_mod.Shape(**{**_shape_dict(config.shape), "turns": config.curve_turns})
+    shape = dataclasses.replace(config.shape, turns=config.curve_turns)
     base = sessions_mod.agent(shape, 0.0, name="curve")
     root = config.workdir / "runs"
     off = run_arm(config, pair, base, "sparse_off", root / "curve-sparse_off", progress)
@@ -183,10 +185,6 @@ def run_curve(config: BenchConfig, pair: ModelPair, progress: Progress) -> list[
     return points
 
 
-def _shape_dict(shape: sessions_mod.Shape) -> dict[str, Any]:
-    return {name: getattr(shape, name) for name in shape.__dataclass_fields__}
-
-
 def _balance(config: BenchConfig, pair: ModelPair, context: int, progress: Progress) -> dict[str, Any]:
     from mlx_lm import load
 
@@ -197,6 +195,11 @@ def _balance(config: BenchConfig, pair: ModelPair, context: int, progress: Progr
     model, _ = load(str(pair.target_path))
     balance = measure_balance(model, context, repeats=config.balance_repeats)
     return balance.as_dict() | {"describe": balance.describe()}
+
+
+def _server_preload() -> str:
+    preload = os.environ.get("LD_PRELOAD")
+    return f"; the servers inherit LD_PRELOAD={preload}" if preload else ""
 
 
 def _host_version() -> str:
