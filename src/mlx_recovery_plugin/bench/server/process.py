@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from ...recovery.control import SOCKET_DIR_NAME, SOCKET_SUFFIX
 
@@ -58,7 +59,10 @@ def free_port() -> int:
 
 
 def check_port_free(port: int) -> None:
+    """Raise :class:`PortInUseError` when something listens on ``port`` (with
+    SO_REUSEADDR, as uvicorn binds, so a previous arm's closing connections do not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError as exc:
@@ -180,7 +184,7 @@ class ServerProcess:
         self.spec = spec
         self.port = spec.port if spec.port is not None else free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def base_url(self) -> str:
@@ -300,7 +304,7 @@ class ServerProcess:
                 time.sleep(0.05)
         if self._log is not None:
             self._log.close()
-            self._log = None
+            self._log: IO[bytes] | None = None
         _live.discard(self)
 
     def __enter__(self) -> ServerProcess:
