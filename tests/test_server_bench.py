@@ -255,3 +255,21 @@ def test_the_bench_is_a_subcommand_with_its_options() -> None:
     )
     assert args.func.__module__ == "mlx_recovery_plugin.bench.server.cli"
     assert (args.sessions, args.think_time, args.budget) == (["agent", "fork"], 5.0, 20.0)
+
+
+def test_the_plot_draws_sessions_and_the_curve(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from mlx_recovery_plugin.bench.server.report import BenchReport, CurvePoint, format_report, write_plot
+
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0)], "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 8704, 1.5)]}
+    result = SessionResult("agent", "test", {arm: _arm(arm, r) for arm, r in rows.items()})
+    report = BenchReport("t", "d", "oMLX", "openblas", 50.0, 30.0, 1.0, 2, "always", [result],
+                         [CurvePoint(5.0, result.arms["sparse_off"], result.arms["sparse_on"], result.arms["sparse_recovery"])])
+    with pytest.raises(ValueError, match="cost balance"):
+        format_report(report)
+    report.balance = {"describe": "cost balance: 2.00x"}
+    text = format_report(report)
+    assert "BLAS: openblas" in text and "cost balance" in text and "+1.50" in text  # curve: on - rec, signed
+    write_plot(report, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
