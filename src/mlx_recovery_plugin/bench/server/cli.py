@@ -1,0 +1,107 @@
+"""``mlx-recovery bench server``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...runner.blas import add_openblas_flag, maybe_reexec
+from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
+from .sessions import DEFAULT_CURVE, SESSION_NAMES
+
+if TYPE_CHECKING:
+    from .run import BenchConfig
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "server",
+        help="the three arms on the real oMLX server, driven by the OpenAI SDK",
+        description="Start `omlx serve` on a loopback port per arm (sparse off, sparse on, sparse "
+        "on + recovery attached by environment variables), drive agent sessions with the OpenAI "
+        "SDK, and report per-turn cached tokens and time to first token.",
+    )
+    p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, the agent session, 3 turns, 10 s think")
+    p.add_argument("--sessions", nargs="+", choices=SESSION_NAMES, help="sessions to run (default: all; --quick: agent)")
+    p.add_argument("--think-time", type=float, default=None, help="idle seconds between turns (default 30; --quick 10)")
+    p.add_argument("--curve", type=float, nargs="+", default=None, help=f"think times of the curve (default {' '.join(f'{x:g}' for x in DEFAULT_CURVE)})")
+    p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 5; --quick 3)")
+    p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
+    p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN]", help="target shape (default: the bench target, "
+                   f"{DEFAULT_TARGET.hidden_size}x{DEFAULT_TARGET.num_layers}x{DEFAULT_TARGET.intermediate_size})")
+    p.add_argument("--model-dir", metavar="DIR", help="serve an existing models directory instead (needs --target-id, --draft-id)")
+    p.add_argument("--target-id", help="target model id (directory name) in --model-dir")
+    p.add_argument("--draft-id", help="draft model id (directory name) in --model-dir")
+    p.add_argument("--port", type=int, default=None, help="loopback port (default: a free one per server)")
+    p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
+    p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
+    p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw per-step TTFT and cached tokens as a PNG")
+    add_openblas_flag(p)
+    p.set_defaults(func=_run)
+
+
+def progress_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
+    from .run import BenchConfig
+
+    config = BenchConfig(workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy)
+    if args.quick:
+        config.target, config.draft = QUICK_TARGET, QUICK_DRAFT
+        config.sessions, config.think_s, config.curve_turns = ("agent",), 10.0, 2
+        config.shape = dataclasses.replace(config.shape, turns=3)
+        config.curve = (5.0, 10.0)
+        config.balance_repeats = 1
+    if args.target:
+        config.target = parse_target(args.target)
+    if args.model_dir:
+        if not (args.target_id and args.draft_id):
+            raise ValueError("--model-dir needs --target-id and --draft-id")
+        config.pair = ModelPair(Path(args.model_dir), args.target_id, args.draft_id)
+    if args.sessions:
+        config.sessions = tuple(args.sessions)
+    if args.think_time is not None:
+        config.think_s = args.think_time
+    if args.curve:
+        config.curve = tuple(args.curve)
+    if args.turns is not None:
+        config.shape = dataclasses.replace(config.shape, turns=args.turns)
+    return config
+
+
+def _run(args: argparse.Namespace) -> int:
+    maybe_reexec(args)
+    from .client import MissingMeasurementError
+    from .models import ModelDirError
+    from .process import ServerError, stop_all, stop_all_on_sigterm
+    from .report import format_report, write_plot
+    from .run import run_bench
+
+    stop_all_on_sigterm()
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="mlx-recovery-bench-server-"))
+    try:
+        config = _config(args, workdir)
+        progress_to_stderr(f"bench server: work directory {workdir} (server logs under runs/)")
+        report = run_bench(config, progress=progress_to_stderr)
+    except (ServerError, ModelDirError, MissingMeasurementError, ValueError) as exc:
+        print(f"mlx-recovery bench server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"mlx-recovery bench server needs the server's packages: {exc} "
+              "(pip install flyto-mlx uvicorn python-multipart psutil tabulate openai; see .ci/run)", file=sys.stderr)
+        return 2
+    finally:
+        stop_all()
+    print(format_report(report))
+    if args.json:
+        report.write_json(args.json)
+    if args.plot:
+        write_plot(report, args.plot)
+    return 1 if report.tracebacks() else 0

@@ -1,0 +1,112 @@
+"""The models directory the server bench serves, and the SpecPrefill switch for it.
+
+oMLX serves every subdirectory of ``--model-dir``; the model id is the directory's name.
+The target and the draft share the byte-level tokenizer (one token per byte), so a
+message of N characters is N tokens, and the chat template lets chat completions work.
+SpecPrefill is switched on per model in ``<base path>/model_settings.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, TinyModelSpec, write_tiny_model
+
+# The target shape every report is measured on unless --target says otherwise.
+DEFAULT_TARGET = BENCH_TARGET
+DEFAULT_DRAFT = BENCH_DRAFT
+# The tiny pair for --quick and the integration test.
+QUICK_TARGET = TinyModelSpec(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=256, seed=21)
+QUICK_DRAFT = TinyModelSpec(arch="llama", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                            intermediate_size=128, seed=22)
+
+
+class ModelDirError(ValueError):
+    """A models directory the server cannot serve for this bench."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelPair:
+    """Where the models live: ``model_dir / target_id`` and ``model_dir / draft_id``."""
+
+    model_dir: Path
+    target_id: str
+    draft_id: str
+
+    @property
+    def target_path(self) -> Path:
+        return self.model_dir / self.target_id
+
+    @property
+    def draft_path(self) -> Path:
+        return self.model_dir / self.draft_id
+
+
+def spec_id(spec: TinyModelSpec) -> str:
+    return f"{spec.arch}-{spec.hidden_size}x{spec.num_layers}-s{spec.seed}"
+
+
+def parse_target(text: str, base: TinyModelSpec = DEFAULT_TARGET) -> TinyModelSpec:
+    """``HIDDENxLAYERS`` or ``HIDDENxLAYERSxFFN`` (e.g. ``512x8``, ``4096x1x14336``);
+    heads are ``hidden/64`` (query) and half that (key/value), at least 1."""
+    parts = text.lower().split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (2, 3) or min(numbers) <= 0:
+        raise ValueError(f"target shape must be HIDDENxLAYERS[xFFN], e.g. 512x8; got {text!r}")
+    hidden, layers = numbers[0], numbers[1]
+    heads = max(1, hidden // 64)
+    ffn = numbers[2] if len(numbers) == 3 else max(2 * hidden, int(hidden * 2.75) // 64 * 64)
+    return TinyModelSpec(
+        arch=base.arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=max(1, heads // 2), intermediate_size=ffn, seed=base.seed, dtype=base.dtype,
+    )
+
+
+def write_models(model_dir: Path, target: TinyModelSpec, draft: TinyModelSpec) -> ModelPair:
+    """Write the target and the draft (random weights, seeded) under ``model_dir``."""
+    pair = ModelPair(Path(model_dir), spec_id(target), "draft-" + spec_id(draft))
+    for path, spec in ((pair.target_path, target), (pair.draft_path, draft)):
+        if not (path / "model.safetensors").exists():
+            write_tiny_model(path, spec)
+    return pair
+
+
+def has_chat_template(model_path: Path) -> bool:
+    """A chat template in ``tokenizer_config.json`` or a ``chat_template.*`` file."""
+    if any((model_path / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = model_path / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_models(pair: ModelPair) -> None:
+    """Raise :class:`ModelDirError` naming what is missing, before any server starts."""
+    for role, path in (("target", pair.target_path), ("draft", pair.draft_path)):
+        if not (path / "config.json").is_file():
+            raise ModelDirError(f"{role} model {path} has no config.json (not a model directory)")
+    if not has_chat_template(pair.target_path):
+        raise ModelDirError(
+            f"target model {pair.target_path} has no chat template (no chat_template in "
+            "tokenizer_config.json, no chat_template.jinja): chat completions cannot be served; "
+            "add one, or let the bench write its own models"
+        )
+
+
+def write_model_settings(base_path: Path, pair: ModelPair, sparse: bool) -> Path:
+    """``<base_path>/model_settings.json`` with SpecPrefill on (or off) for the target."""
+    base_path.mkdir(parents=True, exist_ok=True)
+    entry: dict[str, object] = {"specprefill_enabled": sparse}
+    if sparse:
+        entry["specprefill_draft_model"] = str(pair.draft_path)
+    path = base_path / "model_settings.json"
+    path.write_text(json.dumps({"version": 1, "models": {pair.target_id: entry}}, indent=1))
+    return path

@@ -1,0 +1,267 @@
+"""Results of the server bench: records, the printed report, JSON and the plot.
+
+Differences are signed (recovery minus the other arm: negative = recovery is faster).
+The oracle is what a fully recovered cache gives: sparse on's first turn of each
+conversation plus sparse off's later turns. A figure that is missing is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...demo.report import ARM_TITLES, ARMS
+
+ORACLE = "oracle"
+# Status fields worth a line in the report; any per-engine field about the publish
+# policy or a stand-down is added as it comes.
+_ENGINE_KEYS = ("policy", "stand", "reason", "refusal")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    conversation: str
+    turn: int
+    label: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    total_s: float
+    idle_after_s: float
+    status: dict[str, Any] | None = None  # recovery arm: the plugin's figures after the gap
+
+
+@dataclass(slots=True)
+class ArmRun:
+    arm: str
+    log_path: str = ""
+    steps: list[StepRecord] = field(default_factory=list)
+    traceback_in_log: bool = False
+
+    @property
+    def ttft_sum(self) -> float:
+        return sum(s.ttft_s for s in self.steps)
+
+    def later_ttft_sum(self) -> float:
+        return sum(s.ttft_s for s in self.steps if s.turn > 1 or s.label)
+
+
+def status_figures(status: dict[str, Any]) -> dict[str, Any]:
+    """The key figures of a ``status`` answer: totals, and per engine whatever fields
+    about the publish policy, a stand-down or a refusal it carries."""
+    process = status.get("process")
+    if not isinstance(process, dict) or "tokens_recovered" not in process:
+        raise KeyError(f"status has no process.tokens_recovered: {sorted(status)}")
+    out: dict[str, Any] = {
+        "tokens_recovered": process["tokens_recovered"],
+        "debt": process.get("debt"),
+        "slices": process.get("slices"),
+        "budget_share_used": round(float(process.get("budget_share_used") or 0.0), 4),
+    }
+    if process.get("faults"):
+        out["faults"] = process["faults"]
+    for engine in (status.get("engines") or {}).values():
+        if not isinstance(engine, dict):
+            continue
+        for key, value in engine.items():
+            if any(k in key for k in _ENGINE_KEYS) and value not in (None, {}, []):
+                out[key] = value
+        refusals = (engine.get("counters") or {}).get("refusals")
+        if refusals:
+            out["refusals"] = refusals
+    return out
+
+
+def oracle_steps(off: ArmRun, on: ArmRun) -> list[float]:
+    """Per step: sparse on's time for a conversation's first turn, sparse off's after."""
+    if len(off.steps) != len(on.steps):
+        raise ValueError("arms served different numbers of steps")
+    return [b.ttft_s if a.turn == 1 and not a.label else a.ttft_s for a, b in zip(off.steps, on.steps)]
+
+
+@dataclass(slots=True)
+class SessionResult:
+    name: str
+    description: str
+    arms: dict[str, ArmRun] = field(default_factory=dict)
+
+    def sums(self) -> dict[str, float]:
+        out = {arm: self.arms[arm].ttft_sum for arm in ARMS}
+        out[ORACLE] = sum(oracle_steps(self.arms["sparse_off"], self.arms["sparse_on"]))
+        return out
+
+
+@dataclass(slots=True)
+class CurvePoint:
+    think_s: float
+    sparse_off: ArmRun
+    sparse_on: ArmRun
+    sparse_recovery: ArmRun
+
+    def benefit_vs_on(self) -> float:
+        """Sparse on minus recovery, later turns' TTFT (positive = recovery saves time)."""
+        return self.sparse_on.later_ttft_sum() - self.sparse_recovery.later_ttft_sum()
+
+
+@dataclass(slots=True)
+class BenchReport:
+    target: str
+    draft: str
+    host: str
+    blas: str
+    budget_pct: float
+    think_s: float
+    idle_wait_s: float
+    max_tokens: int
+    publish_policy: str
+    sessions: list[SessionResult] = field(default_factory=list)
+    curve: list[CurvePoint] = field(default_factory=list)
+    balance: dict[str, Any] | None = None
+
+    def longest_prompt(self) -> int:
+        runs = [a for s in self.sessions for a in s.arms.values()]
+        runs += [p.sparse_off for p in self.curve]
+        return max((st.prompt_tokens for r in runs for st in r.steps), default=0)
+
+    def tracebacks(self) -> list[str]:
+        runs = [a for s in self.sessions for a in s.arms.values()]
+        runs += [r for p in self.curve for r in (p.sparse_off, p.sparse_on, p.sparse_recovery)]
+        return [r.log_path for r in runs if r.traceback_in_log]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["summary"] = {s.name: s.sums() for s in self.sessions}
+        out["curve_benefit_vs_on_s"] = {f"{p.think_s:g}": p.benefit_vs_on() for p in self.curve}
+        return out
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.2f}"
+
+
+def format_session(result: SessionResult) -> list[str]:
+    off, on, rec = (result.arms[a] for a in ARMS)
+    oracle = oracle_steps(off, on)
+    lines = [
+        f"## session {result.name}: {result.description}",
+        f"{'step':>4} {'conv':>4} {'turn':>4} {'tokens':>7} | {'cached: off':>11} {'on':>6} {'on+rec':>7} "
+        f"| {'TTFT s: off':>11} {'on':>6} {'on+rec':>7} {'oracle':>7} | {'rec-on':>7} {'rec-off':>7} | recovered",
+    ]
+    for i, (a, b, c) in enumerate(zip(off.steps, on.steps, rec.steps)):
+        if not (a.prompt_tokens == b.prompt_tokens == c.prompt_tokens):
+            raise ValueError(f"step {i + 1}: arms saw different prompts ({a.prompt_tokens}, {b.prompt_tokens}, {c.prompt_tokens})")
+        recovered = c.status["tokens_recovered"] if c.status else "-"
+        conv = a.conversation + ("*" if a.label else "")
+        lines.append(
+            f"{a.step:>4} {conv:>4} {a.turn:>4} {a.prompt_tokens:>7} | {a.cached_tokens:>11} {b.cached_tokens:>6} "
+            f"{c.cached_tokens:>7} | {a.ttft_s:>11.2f} {b.ttft_s:>6.2f} {c.ttft_s:>7.2f} {oracle[i]:>7.2f} "
+            f"| {_signed(c.ttft_s - b.ttft_s):>7} {_signed(c.ttft_s - a.ttft_s):>7} | {recovered}"
+        )
+    sums = result.sums()
+    lines.append(
+        "sum of TTFT: " + ", ".join(f"{ARM_TITLES.get(k, k)} {v:.2f} s" for k, v in sums.items())
+    )
+    r = sums["sparse_recovery"]
+    lines.append(
+        f"recovery minus: sparse on {_signed(r - sums['sparse_on'])} s ({r / sums['sparse_on']:.2f}x), "
+        f"sparse off {_signed(r - sums['sparse_off'])} s ({r / sums['sparse_off']:.2f}x), "
+        f"oracle {_signed(r - sums[ORACLE])} s ({r / sums[ORACLE]:.2f}x)"
+    )
+    slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
+    if slow:
+        lines.append(f"steps where recovery took over 1.1x sparse on: {', '.join(map(str, slow))}")
+    if rec.steps and rec.steps[-1].status:
+        lines.append("plugin status at the end: " + ", ".join(f"{k} {v}" for k, v in rec.steps[-1].status.items()))
+    return lines
+
+
+def format_curve(points: list[CurvePoint]) -> list[str]:
+    if not points:
+        return []
+    first = points[0]
+    lines = [
+        "## benefit of recovery against think time (agent session, later turns)",
+        f"sparse off later turns {first.sparse_off.later_ttft_sum():.2f} s, sparse on "
+        f"{first.sparse_on.later_ttft_sum():.2f} s (each run once: they do nothing while idle)",
+        f"{'think s':>7} | {'on+rec s':>8} | {'on - rec s':>10} | {'turn-2 cached: rec':>18} {'off':>6} | recovered",
+    ]
+    for p in points:
+        rec_steps = p.sparse_recovery.steps
+        second = rec_steps[1] if len(rec_steps) > 1 else None
+        off_second = p.sparse_off.steps[1] if len(p.sparse_off.steps) > 1 else None
+        lines.append(
+            f"{p.think_s:>7g} | {p.sparse_recovery.later_ttft_sum():>8.2f} | {_signed(p.benefit_vs_on()):>10} | "
+            f"{second.cached_tokens if second else '-':>18} {off_second.cached_tokens if off_second else '-':>6} | "
+            f"{rec_steps[-1].status['tokens_recovered'] if rec_steps and rec_steps[-1].status else '-'}"
+        )
+    return lines
+
+
+def format_report(report: BenchReport) -> str:
+    lines = [
+        f"# mlx-recovery bench server: {report.host}, target {report.target}, draft {report.draft}",
+        f"BLAS: {report.blas} | recovery budget {report.budget_pct:g} % | think time {report.think_s:g} s "
+        f"| publish policy {report.publish_policy} | max_tokens {report.max_tokens}",
+        f"sparse off and sparse on wait only {report.idle_wait_s:g} s between turns (they do nothing "
+        "while idle); the recovery arm waits the real think time.",
+    ]
+    if report.balance is None:
+        raise ValueError("the report has no cost balance (a missing measurement)")
+    lines.append(report.balance["describe"])
+    for result in report.sessions:
+        lines.append("")
+        lines.extend(format_session(result))
+    if report.curve:
+        lines.append("")
+        lines.extend(format_curve(report.curve))
+    bad = report.tracebacks()
+    lines.append("")
+    lines.append("server logs: " + ("tracebacks in " + ", ".join(bad) if bad else "no traceback"))
+    return "\n".join(lines)
+
+
+def write_plot(report: BenchReport, path: str | Path) -> None:
+    """Per step TTFT and cached tokens of every session (and the curve), as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("--plot needs matplotlib: pip install 'mlx-recovery-plugin[plot]'") from exc
+    rows = len(report.sessions) + (1 if report.curve else 0)
+    fig, axes = plt.subplots(max(rows, 1), 2, figsize=(11, 3.6 * max(rows, 1)), squeeze=False)
+    for row, result in enumerate(report.sessions):
+        ax_t, ax_c = axes[row]
+        for arm, marker in zip(ARMS, ("o", "s", "^")):
+            steps = result.arms[arm].steps
+            x = [s.step for s in steps]
+            ax_t.plot(x, [s.ttft_s for s in steps], marker=marker, label=ARM_TITLES[arm])
+            ax_c.plot(x, [s.cached_tokens for s in steps], marker=marker, label=ARM_TITLES[arm])
+        x = [s.step for s in result.arms["sparse_off"].steps]
+        ax_t.plot(x, oracle_steps(result.arms["sparse_off"], result.arms["sparse_on"]), ls=":", label=ORACLE)
+        ax_t.set(title=f"{result.name}: time to first token", xlabel="step", ylabel="s")
+        ax_c.set(title=f"{result.name}: cached tokens", xlabel="step", ylabel="tokens")
+    if report.curve:
+        ax_b, ax_n = axes[rows - 1]
+        xs = [p.think_s for p in report.curve]
+        ax_b.plot(xs, [p.benefit_vs_on() for p in report.curve], marker="o")
+        ax_b.axhline(0.0, color="grey", lw=0.8)
+        ax_b.set(title="sparse on minus recovery, later turns", xlabel="think time s", ylabel="s saved")
+        ax_n.plot(xs, [p.sparse_recovery.steps[1].cached_tokens if len(p.sparse_recovery.steps) > 1 else 0
+                       for p in report.curve], marker="o")
+        ax_n.set(title="turn 2 cached tokens with recovery", xlabel="think time s", ylabel="tokens")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{report.target} on {report.host} ({report.blas})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,211 @@
+"""Arms and sessions: each arm on a fresh server and a fresh cache directory.
+
+sparse off: SpecPrefill off, no plugin. sparse on: SpecPrefill on, no plugin. sparse on +
+recovery: SpecPrefill on, the plugin attached through environment variables only, and
+its status read over the control socket after every turn. Sparse off and sparse on do
+nothing while idle, so they wait only ``idle_wait_s`` between turns (the server's own
+cache store finishes within it); the recovery arm waits the real think time. Every server
+answers one short warm-up request first, so no turn pays for loading the models.
+
+Threads: everything runs on the caller's thread; each server is its own process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...recovery.control import ControlError, request
+from ...testing.tiny_model import TinyModelSpec
+from . import sessions as sessions_mod
+from .client import make_client, send_turn
+from .models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelPair, check_models, write_model_settings, write_models
+from .process import PluginNotAttachedError, ServerProcess, ServerSpec
+from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, status_figures
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    workdir: Path
+    target: TinyModelSpec = DEFAULT_TARGET
+    draft: TinyModelSpec = DEFAULT_DRAFT
+    pair: ModelPair | None = None  # an existing models directory instead of written models
+    sessions: tuple[str, ...] = ("agent", "interleaved", "fork", "gaps", "curve")
+    shape: sessions_mod.Shape = field(default_factory=sessions_mod.Shape)
+    curve_turns: int = 3
+    think_s: float = 30.0
+    curve: tuple[float, ...] = sessions_mod.DEFAULT_CURVE
+    budget_pct: float = 50.0
+    max_tokens: int = 2
+    idle_wait_s: float = 1.0
+    port: int | None = None
+    publish_policy: str | None = None  # MLX_RECOVERY_PUBLISH_POLICY for the recovery arm
+    extra_env: dict[str, str] = field(default_factory=dict)
+    balance_repeats: int = 3
+    start_timeout_s: float = 180.0
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> ServerSpec:
+    base = root / "base"
+    write_model_settings(base, pair, sparse=arm != "sparse_off")
+    env = {"MLX_RECOVERY_ENABLE": "0", **config.extra_env}
+    if arm == "sparse_recovery":
+        env.update({
+            "MLX_RECOVERY_ENABLE": "1",
+            "MLX_RECOVERY_BUDGET_PCT": f"{config.budget_pct:g}",
+            "MLX_RECOVERY_MODELS": json.dumps({pair.target_id: {"enabled": True}}),
+            "MLX_RECOVERY_CONTROL_SOCKET": "",
+            "XDG_RUNTIME_DIR": str(_private_dir(root / "runtime")),
+        })
+        if config.publish_policy:
+            env["MLX_RECOVERY_PUBLISH_POLICY"] = config.publish_policy
+    return ServerSpec(
+        model_dir=pair.model_dir, base_path=base, cache_dir=root / "cache", log_path=root / "server.log",
+        port=config.port, env=env, expect_plugin=arm == "sparse_recovery",
+        start_timeout_s=config.start_timeout_s,
+    )
+
+
+def _read_status(server: ServerProcess) -> dict[str, Any]:
+    path = server.control_socket(timeout_s=5.0)
+    if path is None:
+        raise PluginNotAttachedError(
+            "the recovery arm's server has no control socket after its first request: the plugin "
+            f"did not attach an engine (see the log for 'mlx-recovery'); log tail:\n{server.log_tail()}"
+        )
+    try:
+        answer = request(path, {"op": "status"})
+    except ControlError as exc:
+        raise PluginNotAttachedError(f"cannot read the plugin's status: {exc}") from exc
+    if not answer.get("ok"):
+        raise PluginNotAttachedError(f"the plugin refused its status: {answer.get('error')}")
+    return answer["status"]
+
+
+def run_arm(
+    config: BenchConfig, pair: ModelPair, session: sessions_mod.Session, arm: str, root: Path,
+    progress: Progress,
+) -> ArmRun:
+    """Serve ``session`` on a fresh server for ``arm``; stops the server whatever happens."""
+    tag = f"[{session.name}] {arm.replace('_', ' ')}"
+    spec = _server_spec(config, pair, root, arm)
+    started = time.monotonic()
+    run = ArmRun(arm=arm, log_path=str(spec.log_path))
+    with ServerProcess(spec) as server:
+        progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
+        client = make_client(server.base_url)
+        # Load the model (and the draft) before the clock runs: oMLX loads on first use.
+        send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1)
+        for index, step in enumerate(session.steps):
+            measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens)
+            last = index == len(session.steps) - 1
+            wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
+            progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
+                     f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
+                     f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
+                     + ("" if last else f"; idle {wait:g} s"))
+            if not last:
+                time.sleep(wait)
+            figures = None
+            if arm == "sparse_recovery":
+                figures = status_figures(_read_status(server))
+                progress(f"{tag}   plugin status{' before the next turn' if not last else ''}: "
+                         + ", ".join(f"{k} {v}" for k, v in figures.items()))
+            run.steps.append(StepRecord(
+                step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
+                prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
+                ttft_s=measure.ttft_s, total_s=measure.total_s, idle_after_s=0.0 if last else wait,
+                status=figures,
+            ))
+        run.traceback_in_log = "Traceback (most recent call last)" in server.log_text()
+    return run
+
+
+def _pair(config: BenchConfig, progress: Progress) -> ModelPair:
+    if config.pair is not None:
+        pair = config.pair
+    else:
+        progress(f"writing models under {config.workdir / 'models'}")
+        pair = write_models(config.workdir / "models", config.target, config.draft)
+    check_models(pair)
+    return pair
+
+
+def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Every selected session, three arms each (plus the think-time curve)."""
+    from ...runner.blas import describe
+
+    pair = _pair(config, progress)
+    report = BenchReport(
+        target=pair.target_id, draft=pair.draft_id, host=_host_version(),
+        blas=describe() + _server_preload(),
+        budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
+        max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
+    )
+    for name in config.sessions:
+        if name == "curve":
+            report.curve = run_curve(config, pair, progress)
+            continue
+        session = sessions_mod.build(name, config.shape, config.think_s)
+        result = SessionResult(name=name, description=session.description)
+        for arm in ("sparse_off", "sparse_on", "sparse_recovery"):
+            result.arms[arm] = run_arm(config, pair, session, arm, config.workdir / "runs" / f"{name}-{arm}", progress)
+        report.sessions.append(result)
+    report.balance = _balance(config, pair, report.longest_prompt(), progress)
+    return report
+
+
+def run_curve(config: BenchConfig, pair: ModelPair, progress: Progress) -> list[CurvePoint]:
+    """The recovery arm's benefit against think time; sparse off and on do not depend on
+    it, so they run once."""
+    shape = dataclasses.replace(config.shape, turns=config.curve_turns)
+    base = sessions_mod.agent(shape, 0.0, name="curve")
+    root = config.workdir / "runs"
+    off = run_arm(config, pair, base, "sparse_off", root / "curve-sparse_off", progress)
+    on = run_arm(config, pair, base, "sparse_on", root / "curve-sparse_on", progress)
+    points = []
+    for think in config.curve:
+        session = sessions_mod.agent(shape, think, name=f"curve {think:g}s")
+        rec = run_arm(config, pair, session, "sparse_recovery", root / f"curve-{think:g}s", progress)
+        points.append(CurvePoint(think_s=think, sparse_off=off, sparse_on=on, sparse_recovery=rec))
+    return points
+
+
+def _balance(config: BenchConfig, pair: ModelPair, context: int, progress: Progress) -> dict[str, Any]:
+    from mlx_lm import load
+
+    from ..balance import measure_balance
+
+    context = max(256, context // 256 * 256)
+    progress(f"measuring the cost balance of {pair.target_id} at {context:,} tokens of context")
+    model, _ = load(str(pair.target_path))
+    balance = measure_balance(model, context, repeats=config.balance_repeats)
+    return balance.as_dict() | {"describe": balance.describe()}
+
+
+def _server_preload() -> str:
+    preload = os.environ.get("LD_PRELOAD")
+    return f"; the servers inherit LD_PRELOAD={preload}" if preload else ""
+
+
+def _host_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"oMLX (flyto-mlx {version('flyto-mlx')})"
+    except Exception:  # noqa: BLE001 - only a label
+        return "oMLX (version unknown)"

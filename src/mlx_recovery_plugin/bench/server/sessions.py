@@ -1,0 +1,135 @@
+"""The conversations the server bench sends, as an agent sends them.
+
+A conversation starts with a short system message and a long first user message (the
+context an agent sends: files, tool descriptions; ~8,500 tokens, above the server's
+8,192-token sparse threshold) and each later turn appends the assistant's previous reply,
+a tool's output and the user's next question (~600 tokens). The long part is not the
+system message because oMLX 0.7.0 protects the system prompt from SpecPrefill: it takes
+the sparse route only when the non-system part of the uncached prompt exceeds the
+threshold, so an 8,500-token system message with short turns is never served sparse.
+Replies are scripted, so every arm sends exactly the same prompts. With the byte-level
+tokenizer a character is a token.
+
+A session is a list of steps; each step sends one conversation's messages so far and is
+followed by ``think_s`` of idle time.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from ...demo.session import _prose, _tool_output
+
+SESSION_NAMES = ("agent", "interleaved", "fork", "gaps", "curve")
+DEFAULT_CURVE = (5.0, 10.0, 20.0, 40.0)
+GAP_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class Shape:
+    """Sizes in characters (= tokens) of one conversation."""
+
+    system_chars: int = 300
+    context_chars: int = 8500
+    turns: int = 5
+    reply_chars: int = 90
+    tool_chars: int = 420
+    question_chars: int = 90
+
+
+@dataclass(slots=True, frozen=True)
+class Step:
+    conversation: str
+    turn: int  # 1-based turn of that conversation
+    messages: tuple[dict[str, str], ...]
+    think_s: float  # idle time after this step
+    label: str = ""
+
+
+@dataclass(slots=True)
+class Session:
+    name: str
+    description: str
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def longest_prompt_chars(self) -> int:
+        return max(sum(len(m["content"]) + 1 for m in s.messages) for s in self.steps)
+
+
+class Conversation:
+    """Messages of one conversation, grown turn by turn (seeded, so replayable)."""
+
+    def __init__(self, shape: Shape, seed: int) -> None:
+        self.shape = shape
+        self._rng = random.Random(seed)
+        self.messages: list[dict[str, str]] = [
+            {"role": "system", "content": _prose(self._rng, shape.system_chars)},
+            {"role": "user", "content": _tool_output(self._rng, shape.context_chars)},
+        ]
+        self.turn = 0
+
+    def next_turn(self) -> tuple[dict[str, str], ...]:
+        """Append one turn (reply + tool output + question after the first) and return
+        the whole conversation as sent."""
+        if self.turn > 0:
+            self.messages.append({"role": "assistant", "content": _prose(self._rng, self.shape.reply_chars)})
+            self.messages.append({"role": "user", "content": _tool_output(self._rng, self.shape.tool_chars)})
+        self.messages.append({"role": "user", "content": _prose(self._rng, self.shape.question_chars)})
+        self.turn += 1
+        return tuple(dict(m) for m in self.messages)
+
+    def edited_last_question(self) -> tuple[dict[str, str], ...]:
+        """The conversation with its last user question replaced (a fork)."""
+        edited = [dict(m) for m in self.messages]
+        edited[-1] = {"role": "user", "content": _prose(self._rng, self.shape.question_chars)}
+        return tuple(edited)
+
+
+def agent(shape: Shape, think_s: float, name: str = "agent") -> Session:
+    conv = Conversation(shape, seed=1)
+    session = Session(name, f"one agent conversation, {shape.turns} turns, {think_s:g} s think time")
+    for t in range(shape.turns):
+        session.steps.append(Step("A", t + 1, conv.next_turn(), think_s))
+    return session
+
+
+def interleaved(shape: Shape, think_s: float) -> Session:
+    a, b = Conversation(shape, seed=1), Conversation(shape, seed=2)
+    session = Session("interleaved", f"two conversations taking turns, {shape.turns} turns each, "
+                      f"{think_s:g} s think time between requests")
+    for t in range(shape.turns):
+        session.steps.append(Step("A", t + 1, a.next_turn(), think_s))
+        session.steps.append(Step("B", t + 1, b.next_turn(), think_s))
+    return session
+
+
+def fork(shape: Shape, think_s: float) -> Session:
+    conv = Conversation(shape, seed=3)
+    turns = max(2, shape.turns - 1)
+    session = Session("fork", f"{turns} turns, then the last user turn edited and sent again, "
+                      f"{think_s:g} s think time")
+    for t in range(turns):
+        session.steps.append(Step("A", t + 1, conv.next_turn(), think_s))
+    session.steps.append(Step("A'", turns, conv.edited_last_question(), think_s, label="fork"))
+    return session
+
+
+def gaps(shape: Shape, gap_s: float = GAP_S) -> Session:
+    session = agent(shape, gap_s, name="gaps")
+    session.description = f"one conversation, {shape.turns} turns, {gap_s:g} s gaps (recovery cannot finish)"
+    return session
+
+
+def build(name: str, shape: Shape, think_s: float) -> Session:
+    """One named session (``curve`` is built per think time by the runner with ``agent``)."""
+    if name == "agent":
+        return agent(shape, think_s)
+    if name == "interleaved":
+        return interleaved(shape, think_s)
+    if name == "fork":
+        return fork(shape, think_s)
+    if name == "gaps":
+        return gaps(shape)
+    raise ValueError(f"unknown session {name!r}; valid: {', '.join(SESSION_NAMES)}")

@@ -1,0 +1,275 @@
+"""``mlx-recovery bench server``: bad input is named and leaves no process behind (cheap,
+with stand-in servers), and one short session on the real oMLX server (when installed)
+restores sparse-off's cached tokens with recovery attached by environment variables only."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mlx_recovery_plugin.bench.server import process
+from mlx_recovery_plugin.bench.server.client import MissingMeasurementError, send_turn
+from mlx_recovery_plugin.bench.server.models import ModelDirError, ModelPair, check_models, parse_target
+from mlx_recovery_plugin.bench.server.process import (
+    PluginNotAttachedError,
+    PortInUseError,
+    ServerProcess,
+    ServerSpec,
+    ServerStartError,
+    group_alive,
+)
+from mlx_recovery_plugin.bench.server.report import ArmRun, SessionResult, StepRecord, format_session, status_figures
+
+# A stand-in for `omlx serve`: argv[1] says how it misbehaves; it is called like omlx
+# (`serve --model-dir ... --port P`).
+FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, os, subprocess, sys, time
+    mode = sys.argv[1]
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    print("fake server starting", flush=True)
+    if mode == "exit":
+        print("boom: cannot load model weights", flush=True)
+        sys.exit(3)
+    if mode == "hang":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        print(f"child {child.pid}", flush=True)
+        time.sleep(300)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"{}")
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_server(tmp_path: Path):
+    script = tmp_path / "fake_omlx.py"
+    script.write_text(FAKE_SERVER)
+
+    def spec(mode: str, **kw) -> ServerSpec:
+        return ServerSpec(
+            model_dir=tmp_path / "models", base_path=tmp_path / "base", cache_dir=tmp_path / "cache",
+            log_path=tmp_path / f"{mode}.log", command=[sys.executable, str(script), mode], **kw,
+        )
+
+    yield spec
+    assert not process._live, "a server was left running"
+
+
+def test_a_port_in_use_is_named_before_anything_starts(fake_server) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        server = ServerProcess(fake_server("serve", port=busy.getsockname()[1]))
+        with pytest.raises(PortInUseError, match="in use"):
+            server.start()
+    assert server.proc is None
+
+
+def test_a_server_that_exits_is_reported_with_its_log_tail(fake_server) -> None:
+    server = ServerProcess(fake_server("exit", start_timeout_s=30))
+    with pytest.raises(ServerStartError, match=r"(?s)exited with code 3.*boom: cannot load model weights"):
+        server.start()
+    assert not group_alive(server.pgid)
+
+
+def test_a_server_that_never_gets_ready_is_stopped_with_its_children(fake_server) -> None:
+    server = ServerProcess(fake_server("hang", start_timeout_s=2))
+    with pytest.raises(ServerStartError, match="did not answer /health"):
+        server.start()
+    child = int(next(line.split()[1] for line in server.log_text().splitlines() if line.startswith("child ")))
+    assert not group_alive(server.pgid)
+    assert _gone(child)
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """No such process, or only a zombie waiting for its new parent to reap it."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            state = "?"
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_server_without_the_plugin_routes_is_explained_and_stopped(fake_server) -> None:
+    server = ServerProcess(fake_server("serve", expect_plugin=True, start_timeout_s=30))
+    with pytest.raises(PluginNotAttachedError, match=r"(?s)not attached.*mlx_recovery_plugin.pth"):
+        server.start()
+    assert not group_alive(server.pgid)
+
+
+def test_a_missing_startup_hook_is_found_before_start_and_the_fix_is_given(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(process, "omlx_command", lambda: [sys.executable])
+    monkeypatch.setattr(process, "find_startup_hook", lambda python, env: (None, ["/venv/site-packages"]))
+    spec = ServerSpec(tmp_path, tmp_path / "b", tmp_path / "c", tmp_path / "log", expect_plugin=True)
+    server = ServerProcess(spec)
+    with pytest.raises(PluginNotAttachedError, match=r"(?s)no mlx_recovery_plugin.pth.*pip install \.` \(not -e\).*/venv/site-packages"):
+        server.start()
+    assert server.proc is None
+
+
+def test_a_model_directory_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    for name in ("t", "d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x"}))
+    with pytest.raises(ModelDirError, match="no chat template"):
+        check_models(ModelPair(tmp_path, "t", "d"))
+    (tmp_path / "t" / "chat_template.jinja").write_text("{{ messages }}")
+    check_models(ModelPair(tmp_path, "t", "d"))
+
+
+def test_target_shapes_parse_and_bad_ones_are_refused() -> None:
+    spec = parse_target("4096x1x14336")
+    assert (spec.hidden_size, spec.num_layers, spec.intermediate_size, spec.num_heads) == (4096, 1, 14336, 64)
+    with pytest.raises(ValueError, match="HIDDENxLAYERS"):
+        parse_target("big")
+
+
+def _chunk(content: str | None = None, usage=None) -> SimpleNamespace:
+    choices = [] if content is None else [SimpleNamespace(delta=SimpleNamespace(content=content))]
+    return SimpleNamespace(choices=choices, usage=usage)
+
+
+def _client(chunks: list) -> SimpleNamespace:
+    create = lambda **kw: iter(chunks)  # noqa: E731
+    return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+
+
+def test_a_turn_reads_cached_tokens_from_usage_and_a_missing_figure_is_an_error() -> None:
+    usage = SimpleNamespace(prompt_tokens=9000, completion_tokens=2,
+                            prompt_tokens_details=SimpleNamespace(cached_tokens=8704))
+    got = send_turn(_client([_chunk("a"), _chunk("b"), _chunk(usage=usage)]), "m", [])
+    assert (got.prompt_tokens, got.cached_tokens, got.completion_tokens) == (9000, 8704, 2)
+    assert 0 <= got.ttft_s <= got.total_s
+    no_details = SimpleNamespace(prompt_tokens=9000, completion_tokens=2, prompt_tokens_details=None)
+    with pytest.raises(MissingMeasurementError):
+        send_turn(_client([_chunk("a"), _chunk(usage=no_details)]), "m", [])
+    with pytest.raises(MissingMeasurementError):
+        send_turn(_client([_chunk("a")]), "m", [])
+
+
+def test_status_figures_carry_policy_fields_and_a_missing_total_is_an_error() -> None:
+    status = {"process": {"tokens_recovered": 512, "debt": 10, "slices": 2, "budget_share_used": 0.1},
+              "engines": {"e": {"publish_policy": "auto", "stand_down_reason": "dense append costs more",
+                                "counters": {"refusals": {"budget": 1}}}}}
+    figures = status_figures(status)
+    assert figures["tokens_recovered"] == 512
+    assert figures["stand_down_reason"] == "dense append costs more" and figures["publish_policy"] == "auto"
+    with pytest.raises(KeyError):
+        status_figures({"engines": {}})
+
+
+def _arm(arm: str, rows: list[tuple[int, int, float]]) -> ArmRun:
+    run = ArmRun(arm)
+    for i, (prompt, cached, ttft) in enumerate(rows):
+        run.steps.append(StepRecord(i + 1, "A", i + 1, "", prompt, cached, ttft, ttft, 0.0,
+                                    {"tokens_recovered": 256} if arm == "sparse_recovery" else None))
+    return run
+
+
+def test_the_report_gives_the_oracle_and_signed_differences() -> None:
+    result = SessionResult("agent", "test")
+    result.arms = {
+        "sparse_off": _arm("sparse_off", [(9000, 0, 10.0), (9600, 8704, 1.0)]),
+        "sparse_on": _arm("sparse_on", [(9000, 0, 2.0), (9600, 0, 3.0)]),
+        "sparse_recovery": _arm("sparse_recovery", [(9000, 0, 2.0), (9600, 8704, 4.0)]),
+    }
+    assert result.sums()["oracle"] == pytest.approx(3.0)
+    text = "\n".join(format_session(result))
+    assert "+1.00" in text  # recovery 4.0 against sparse on 3.0 at step 2: slower, signed
+    assert "over 1.1x sparse on: 2" in text
+    result.arms["sparse_on"].steps[1].prompt_tokens = 1
+    with pytest.raises(ValueError, match="different prompts"):
+        format_session(result)
+
+
+# -- the real server -------------------------------------------------------------------
+
+
+def _real_server_ready() -> str | None:
+    for module in ("omlx.server", "openai", "uvicorn", "python_multipart", "psutil", "tabulate"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            return f"{module} is not installed ({exc}); CI installs the server's packages in .venv-omlx"
+    return None
+
+
+@pytest.mark.skipif(_real_server_ready() is not None, reason=str(_real_server_ready()))
+def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_path: Path) -> None:
+    from mlx_recovery_plugin.bench.server import sessions
+    from mlx_recovery_plugin.bench.server.models import write_models
+    from mlx_recovery_plugin.bench.server.run import BenchConfig, run_arm
+    from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
+
+    pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
+                        TinyModelSpec(arch="llama", num_layers=1, seed=7))
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always")
+    session = sessions.agent(sessions.Shape(turns=2), think_s=8.0)
+    lines: list[str] = []
+    off = run_arm(config, pair, session, "sparse_off", tmp_path / "off", lines.append)
+    rec = run_arm(config, pair, session, "sparse_recovery", tmp_path / "rec", lines.append)
+    log = Path(rec.log_path).read_text()
+
+    assert rec.steps[0].prompt_tokens > 8192 and rec.steps[0].cached_tokens == 0
+    assert "SpecPrefill: sparse prefill" in log, "the first turn did not take the sparse route"
+    block = 256
+    assert abs(rec.steps[1].cached_tokens - off.steps[1].cached_tokens) <= block, (off.steps, rec.steps)
+    assert off.steps[1].cached_tokens >= 8192
+    status = rec.steps[0].status  # read at the end of the first think gap
+    assert status is not None and status["tokens_recovered"] >= off.steps[1].cached_tokens - block, status
+    for run in (off, rec):
+        assert not run.traceback_in_log, Path(run.log_path).read_text()[-3000:]
+    assert not process._live
+
+
+def test_the_bench_is_a_subcommand_with_its_options() -> None:
+    from mlx_recovery_plugin.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "server", "--quick", "--sessions", "agent", "fork", "--think-time", "5", "--budget", "20"]
+    )
+    assert args.func.__module__ == "mlx_recovery_plugin.bench.server.cli"
+    assert (args.sessions, args.think_time, args.budget) == (["agent", "fork"], 5.0, 20.0)
+
+
+def test_the_plot_draws_sessions_and_the_curve(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from mlx_recovery_plugin.bench.server.report import BenchReport, CurvePoint, format_report, write_plot
+
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0)], "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 8704, 1.5)]}
+    result = SessionResult("agent", "test", {arm: _arm(arm, r) for arm, r in rows.items()})
+    report = BenchReport("t", "d", "oMLX", "openblas", 50.0, 30.0, 1.0, 2, "always", [result],
+                         [CurvePoint(5.0, result.arms["sparse_off"], result.arms["sparse_on"], result.arms["sparse_recovery"])])
+    with pytest.raises(ValueError, match="cost balance"):
+        format_report(report)
+    report.balance = {"describe": "cost balance: 2.00x"}
+    text = format_report(report)
+    assert "BLAS: openblas" in text and "cost balance" in text and "+1.50" in text  # curve: on - rec, signed
+    write_plot(report, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
