@@ -39,7 +39,7 @@ def test_interference_bench_reports_every_configuration(models) -> None:
     assert [(r.slice_tokens, r.interruptible) for r in rows] == [(128, True), (128, False)]
     for r in rows:
         # Each trial is either counted in the spread or flagged; none vanishes.
-        assert r.trials == 1 and r.not_live + (r.extra_wait.n if r.extra_wait else 0) == 1, r
+        assert r.trials == 1 and r.not_live + r.baseline_met_slice + (r.extra_wait.n if r.extra_wait else 0) == 1, r
     assert rows[1].slice_seconds > 0  # a whole slice ran and was timed
     assert len(lines) == 3 and lines[0].startswith("cost balance: a token at 1,024 context")
     assert "longest slice" in lines[1] and "extra " in lines[1] and "live slice" in lines[1].lower()
@@ -49,7 +49,8 @@ def test_interference_bench_reports_every_configuration(models) -> None:
 
 def test_a_probe_sent_after_recovery_is_flagged_as_meeting_no_live_slice(models) -> None:
     outcome = run_trial(models, 128, False, random.Random(0), 512, 64, 16, arrive=arrive_after_recovery)
-    assert outcome.live_slice is False and outcome.interrupted is False
+    assert outcome.live_slice is False and outcome.interrupted is False and not outcome.counted
+    assert outcome.baseline_clean  # budget 0 and a drained engine: the baseline met no slice
     assert outcome.during_s > 0 and outcome.baseline_s > 0
 
 
@@ -96,7 +97,19 @@ def test_a_trial_without_a_live_slice_is_flagged_and_left_out_of_the_spread(mode
     assert none_live.slice_seconds == pytest.approx(0.3)  # whole-slice timing still from every trial
     assert sum("NO LIVE SLICE" in line for line in lines) == 3
     table = format_rows(report)
-    assert "1/2" in table and "2/2" in table and "n/a (no trial met a live slice)" in table
+    assert "1/2" in table and "2/2" in table and "n/a (no trial counted)" in table
+
+
+def test_a_trial_whose_baseline_met_a_slice_is_flagged_and_left_out(models) -> None:
+    report, lines = _bench_with(models, {
+        (128, True): [TrialOutcome(0.5, 0.1, 0.2, live_slice=True),
+                      TrialOutcome(0.5, 1.5, 0.2, live_slice=True, baseline_clean=False)],
+        (128, False): [TrialOutcome(0.3, 0.1, 0.2, live_slice=True), TrialOutcome(0.3, 0.1, 0.2, live_slice=True)],
+    }, trials=2)
+    row = report.rows[0]
+    assert (row.not_live, row.baseline_met_slice) == (0, 1)
+    assert row.extra_wait is not None and row.extra_wait.n == 1 and row.extra_wait.low == pytest.approx(0.4)
+    assert sum("BASELINE MET A SLICE" in line for line in lines) == 1
 
 
 def test_a_request_without_a_time_to_first_token_is_an_error() -> None:

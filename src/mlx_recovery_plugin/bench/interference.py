@@ -13,7 +13,9 @@ or interrupted) between the probe's submission and its admission, read from the 
 service's counters at both moments (the admission is observed on the engine thread by a
 ``request_admitted`` hook, before the probe's prefill). A trial whose probe met no slice
 (recovery already done, or not yet started) is flagged, counted per cell and left out of
-the spread. A request without a time to first token is an error
+the spread. The baseline is checked the same way: the budget goes to 0 and a throwaway
+request waits out any slice still running, and a trial whose baseline probe still met a
+slice is flagged and left out too. A request without a time to first token is an error
 (:class:`MissingMeasurement`), never 0 s.
 
 The budget is 100 % of a one-hour window, so slices keep their configured size (a smaller
@@ -62,6 +64,11 @@ class TrialOutcome:
     longest_slice_s: float
     live_slice: bool
     interrupted: bool = False
+    baseline_clean: bool = True  # no slice ran between the baseline probe's submission and admission
+
+    @property
+    def counted(self) -> bool:
+        return self.live_slice and self.baseline_clean
 
     @property
     def extra_wait_s(self) -> float:
@@ -80,6 +87,7 @@ class InterferenceRow:
     slice_seconds: float
     trials: int = 0
     not_live: int = 0  # trials whose probe met no live slice (flagged, not in the spread)
+    baseline_met_slice: int = 0  # trials whose baseline met a slice (flagged, not in the spread)
     interrupted: int = 0  # counted trials whose live slice the probe interrupted
 
     @property
@@ -195,9 +203,14 @@ def run_trial(
         probe_id = host.submit("e0", probe, max_tokens=1)
         during = _ttft(host, probe_id, "probe")
         admitted = watch.at_admission(probe_id)
-        plugin.set_budget(0.0)  # the baseline must not meet a slice
-        probe2 = [(t + 1) % 256 for t in probe]
-        baseline = _ttft(host, host.submit("e0", probe2, max_tokens=1), "baseline")
+        # The baseline must not meet a slice: no new one starts at budget 0, and a
+        # throwaway request waits out one that started after the probe was served.
+        plugin.set_budget(0.0)
+        _ttft(host, host.submit("e0", [(t + 2) % 256 for t in probe], max_tokens=1), "drain")
+        before_baseline = _slice_counts(plugin, "e0")
+        baseline_id = host.submit("e0", [(t + 1) % 256 for t in probe], max_tokens=1)
+        baseline = _ttft(host, baseline_id, "baseline")
+        baseline_admitted = watch.at_admission(baseline_id)
         service = plugin.service("e0")
         if service is None:
             raise MissingMeasurement("engine e0 has no recovery service")
@@ -211,6 +224,7 @@ def run_trial(
         longest_slice_s=longest,
         live_slice=admitted[0] > before[0],
         interrupted=admitted[1] > before[1],
+        baseline_clean=baseline_admitted[0] == before_baseline[0],
     )
 
 
@@ -223,7 +237,7 @@ def summarise(
     rows = []
     for s, i in configs:
         trials = outcomes[(s, i)]
-        counted = [t for t in trials if t.live_slice]
+        counted = [t for t in trials if t.counted]
         whole = [t.longest_slice_s for t in outcomes.get((s, False), [])]
         rows.append(InterferenceRow(
             slice_tokens=s,
@@ -231,7 +245,8 @@ def summarise(
             extra_wait=spread([t.extra_wait_s for t in counted]) if counted else None,
             slice_seconds=spread(whole).median if whole else float("nan"),
             trials=len(trials),
-            not_live=len(trials) - len(counted),
+            not_live=sum(1 for t in trials if not t.live_slice),
+            baseline_met_slice=sum(1 for t in trials if t.live_slice and not t.baseline_clean),
             interrupted=sum(1 for t in counted if t.interrupted),
         ))
     return rows
@@ -265,6 +280,8 @@ def run_interference_bench(
             t = trial(models, *config, rng, context, block_size, probe_len)
             outcomes[config].append(t)
             live = ("live slice, interrupted" if t.interrupted else "live slice") if t.live_slice else "NO LIVE SLICE (not counted)"
+            if not t.baseline_clean:
+                live += "; BASELINE MET A SLICE" + ("" if not t.live_slice else " (not counted)")
             progress(f"trial {n + 1}/{trials} slice {config[0]:>5} interruptible {config[1]!s:<5} "
                      f"ttft during {t.during_s:.3f}s baseline {t.baseline_s:.3f}s extra {t.extra_wait_s:+.3f}s "
                      f"longest slice {t.longest_slice_s:.3f}s; {live}")
@@ -277,14 +294,15 @@ def format_rows(report: InterferenceReport) -> str:
     rows = report.rows
     lines = [f"BLAS: {describe()}", report.balance_line,
              f"{'slice':>6} {'interruptible':>13} | {'extra wait s (signed): median [min, max]':<41} | "
-             f"{'no live slice':>13} | {'slice s':>8} | worst/slice",
-             "(extra wait: during - baseline over the trials that met a live slice; no live slice: "
+             f"{'no live slice':>13} | {'dirty baseline':>14} | {'slice s':>8} | worst/slice",
+             "(extra wait: during - baseline over the trials counted; no live slice / dirty baseline: "
              "trials flagged and left out, of all trials; slice s: the longest whole slice of a trial, "
              "median over trials)"]
     for r in rows:
-        wait = str(r.extra_wait) if r.extra_wait is not None else "n/a (no trial met a live slice)"
+        wait = str(r.extra_wait) if r.extra_wait is not None else "n/a (no trial counted)"
         lines.append(f"{r.slice_tokens:>6} {r.interruptible!s:>13} | {wait:<41} | "
-                     f"{f'{r.not_live}/{r.trials}':>13} | {r.slice_seconds:>8.3f} | {r.worst_fraction_of_slice:.2f}")
+                     f"{f'{r.not_live}/{r.trials}':>13} | {f'{r.baseline_met_slice}/{r.trials}':>14} | "
+                     f"{r.slice_seconds:>8.3f} | {r.worst_fraction_of_slice:.2f}")
     return "\n".join(lines)
 
 
