@@ -1,5 +1,6 @@
 """The mock host's detached-set store: two references per block, clone-and-pin, trim,
-release, and an entry lookup that declines partial matches without the adopter."""
+release, and an entry lookup that, without the adopter, declines partial matches or (as
+oMLX) restores their whole blocks."""
 
 from __future__ import annotations
 
@@ -57,6 +58,42 @@ def test_plain_lookup_declines_a_partial_match(store: DetachedStore, pool: Block
     assert (admission.cached_tokens, admission.handle, admission.reason) == (0, None, "declined_partial")
     assert admission.matched_tokens == 9 and admission.entry_id == entry.set_id
     assert _all_refs(pool) == before
+
+
+def test_whole_block_lookup_restores_the_whole_blocks_of_a_partial_match(pool: BlockPool) -> None:
+    store = DetachedStore(pool, partial="whole_blocks")
+    entry = store.store(range(12))
+    admission = store.admit("r", [*range(9), 50, 51])
+    assert (admission.cached_tokens, admission.reason, admission.matched_tokens) == (8, "whole_blocks", 9)
+    handle = admission.handle
+    assert handle is not None and handle.tokens == tuple(range(8)) and handle.alloc_holder is None
+    assert handle.block_ids == entry.block_ids[:2]  # the same physical blocks, pinned once more
+    for block_id in handle.block_ids:
+        assert pool.holders(block_id) == {entry.alloc_holder: 1, entry.pin_holder: 1, handle.pin_holder: 1}
+    assert store.entries() == [entry] and entry.length == 12  # the entry stays whole
+    store.release(handle)
+    assert store.expected_refcounts() == {b: 2 for b in entry.block_ids}
+
+
+def test_whole_block_lookup_declines_a_match_shorter_than_a_block(pool: BlockPool) -> None:
+    store = DetachedStore(pool, partial="whole_blocks")
+    store.store(range(12))
+    before = _all_refs(pool)
+    admission = store.admit("r", [0, 1, 2, 60, 61])
+    assert (admission.cached_tokens, admission.handle, admission.reason) == (0, None, "below_block")
+    assert _all_refs(pool) == before
+
+
+def test_whole_block_lookup_still_adopts_a_whole_entry_match(pool: BlockPool) -> None:
+    store = DetachedStore(pool, partial="whole_blocks")
+    store.store(range(10))
+    admission = store.admit("r", [*range(10), 77])
+    assert (admission.cached_tokens, admission.reason) == (10, "whole")
+
+
+def test_unknown_partial_policy_is_rejected(pool: BlockPool) -> None:
+    with pytest.raises(ValueError, match="decline' or 'whole_blocks"):
+        DetachedStore(pool, partial="trim_copy")  # type: ignore[arg-type]
 
 
 def test_lookup_leaves_the_last_prompt_token_to_prefill(store: DetachedStore) -> None:

@@ -1,11 +1,15 @@
 """``mlx-recovery bench adopter``: reuse on the workloads the adopter is for, and what a
 decision costs.
 
-Each workload runs on the mock host's detached-set store three times: without the
-adopter (the plain path, which declines partial matches), with it in clone mode (the
-default) and in trim mode. Every request's *block-floor optimum* is computed from every
-entry stored so far (a whole-entry match counts whole, anything else floored to the
-block), so each arm is compared with the best any block-floored adopter could do.
+Each workload runs on the mock host's detached-set store four times: without the
+adopter as a host that declines every partial match (``plain``: no real host does this,
+it is a floor, not a baseline), without the adopter as a host that matches whole blocks
+(``blocks``: a partial match restores the whole blocks of the shared prefix, as oMLX's
+paged cache does), and with the adopter in clone mode (the default) and in trim mode.
+Every request's *block-floor optimum* is computed from every entry stored so far (a
+whole-entry match counts whole, anything else floored to the block), so each arm is
+compared with the best any block-floored adopter could do, and the adopter's gain is
+stated, signed, against the ``blocks`` arm: what a real host already gets without it.
 
 The decision cost is the hook call alone (describe, plan, clone-and-pin) with 1,000
 stored entries; the host's own match and the state reconstruction are not timed, and
@@ -33,7 +37,15 @@ from ..settings import RecoverySettings
 from ..testing.block_pool import BlockPool
 from ..testing.detached_store import Admission, DetachedSet, DetachedStore
 
-ARMS = ("plain", "clone", "trim")
+ARMS = ("plain", "clone", "trim", "blocks")
+ADOPTER_ARMS = ("clone", "trim")
+BASELINE_ARM = "blocks"  # what a host that matches whole blocks (oMLX) gets without the adopter
+ARM_NOTES = {
+    "plain": "no adopter; declines every partial match (no real host does: a floor, not a baseline)",
+    "blocks": "no adopter; a partial match restores the whole blocks of the shared prefix (as oMLX)",
+    "clone": "adopter, clone-and-pin of the block-floored prefix (default)",
+    "trim": "adopter, take-and-trim of the entry (one-shot)",
+}
 DECISION_GOAL_US = 1000.0
 
 
@@ -48,6 +60,21 @@ class WorkloadRow:
     @property
     def reached_optimum(self) -> bool:
         return self.cached_tokens == self.optimum_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class Gain:
+    """An adopter arm's cached tokens against the ``blocks`` arm's on one workload."""
+
+    workload: str
+    arm: str
+    cached_tokens: int
+    baseline_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        """Signed: negative when the adopter arm cached less than whole-block matching."""
+        return self.cached_tokens - self.baseline_tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,10 +99,22 @@ class AdopterBenchReport:
         fast = self.decision is None or self.decision.median_us < DECISION_GOAL_US
         return optimum and fast
 
+    def gains(self) -> list[Gain]:
+        """Per workload and adopter arm, the signed gain over the ``blocks`` arm (empty
+        when that arm did not run)."""
+        base = {r.workload: r.cached_tokens for r in self.rows if r.arm == BASELINE_ARM}
+        return [
+            Gain(r.workload, r.arm, r.cached_tokens, base[r.workload])
+            for r in self.rows
+            if r.arm in ADOPTER_ARMS and r.workload in base
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
+            "arms": {a: ARM_NOTES[a] for a in dict.fromkeys(r.arm for r in self.rows)},
             "workloads": [{**asdict(r), "reached_optimum": r.reached_optimum} for r in self.rows],
+            "gains_vs_blocks": [{**asdict(g), "tokens": g.tokens} for g in self.gains()],
             "decision_cost": asdict(self.decision) if self.decision else None,
             "goals_met": self.goals_met,
         }
@@ -88,6 +127,18 @@ class AdopterBenchReport:
                 f"  {r.workload:<11} {r.arm:<6} {r.requests:>8} {r.cached_tokens:>8} "
                 f"{r.optimum_tokens:>8}  {'yes' if r.reached_optimum else 'no'}"
             )
+        lines.append("arms:")
+        lines.extend(f"  {a:<6} {ARM_NOTES[a]}" for a in dict.fromkeys(r.arm for r in self.rows))
+        gains = self.gains()
+        if gains:
+            lines.append(f"adopter gain over '{BASELINE_ARM}' (cached tokens, signed):")
+            for g in gains:
+                share = f"{g.tokens / g.baseline_tokens:+.1%}" if g.baseline_tokens else "n/a"
+                lines.append(
+                    f"  {g.workload:<11} {g.arm:<6} {g.tokens:+8d} ({g.cached_tokens} vs {g.baseline_tokens}; {share})"
+                )
+        else:
+            lines.append(f"adopter gain over '{BASELINE_ARM}': not measured (arm not run)")
         if self.decision:
             d = self.decision
             lines.append(
@@ -147,11 +198,12 @@ def _block_floor_optimum(stored: Sequence[tuple[int, ...]], prompt: Sequence[int
 
 def _make_store(arm: str, block_size: int, pool_blocks: int) -> tuple[DetachedStore, AdopterPlugin]:
     settings = RecoverySettings(
-        adopter_enabled=arm != "plain", adopter_mode="trim" if arm == "trim" else "clone"  # type: ignore[arg-type]
+        adopter_enabled=arm in ADOPTER_ARMS, adopter_mode="trim" if arm == "trim" else "clone"  # type: ignore[arg-type]
     )
     plugin = AdopterPlugin(settings=settings)
     pm = make_plugin_manager([plugin], settings=RecoverySettings(), entry_points_too=False)
-    return DetachedStore(BlockPool(pool_blocks, block_size), pm=pm), plugin
+    partial: Literal["decline", "whole_blocks"] = "whole_blocks" if arm == "blocks" else "decline"
+    return DetachedStore(BlockPool(pool_blocks, block_size), pm=pm, partial=partial), plugin
 
 
 def _admit_concurrently(store: DetachedStore, prompts: Sequence[Sequence[int]]) -> list[Admission]:

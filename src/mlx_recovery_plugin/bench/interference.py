@@ -3,8 +3,20 @@
 Per trial, on a threaded mock host with recovery on: a long sparse-served prompt leaves a
 recovery job; while slices run, a short request arrives at a random moment and its time to
 first token is measured; the same request is then served on the now idle host for the
-baseline. Extra wait = during - baseline. Slice sizes 4096/1024/512/256, interruptible
-slices on and off, configurations interleaved trial by trial.
+baseline. Extra wait = during - baseline, signed: a negative wait is reported as it was
+measured (the probe met no cost, and the noise shows), never clamped to 0. Slice sizes
+4096/1024/512/256, interruptible slices on and off, configurations interleaved trial by
+trial.
+
+A trial counts only when a slice was live when the probe arrived: a slice finished (whole
+or interrupted) between the probe's submission and its admission, read from the recovery
+service's counters at both moments (the admission is observed on the engine thread by a
+``request_admitted`` hook, before the probe's prefill). A trial whose probe met no slice
+(recovery already done, or not yet started) is flagged, counted per cell and left out of
+the spread. The baseline is checked the same way: the budget goes to 0 and a throwaway
+request waits out any slice still running, and a trial whose baseline probe still met a
+slice is flagged and left out too. A request without a time to first token is an error
+(:class:`MissingMeasurement`), never 0 s.
 
 The budget is 100 % of a one-hour window, so slices keep their configured size (a smaller
 allowance would fit them to it). A slice's cost grows with the context it attends over,
@@ -16,10 +28,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..events import RequestAdmitted
+from ..hookspecs import hookimpl
 from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
 from ..runner.blas import add_openblas_flag, maybe_reexec
@@ -32,16 +48,53 @@ from .stats import Spread, spread
 MODEL_ID = "bench-interference"
 
 
+class MissingMeasurement(RuntimeError):
+    """A trial lacks a figure it needs (a request got no time to first token, or the
+    engine's recovery service is gone); the bench stops rather than count it as 0."""
+
+
+@dataclass(slots=True, frozen=True)
+class TrialOutcome:
+    """One trial: the probe's time to first token during recovery and on the idle host,
+    the longest slice the trial ran, and whether a slice was live when the probe arrived
+    (and was interrupted by it)."""
+
+    during_s: float
+    baseline_s: float
+    longest_slice_s: float
+    live_slice: bool
+    interrupted: bool = False
+    baseline_clean: bool = True  # no slice ran between the baseline probe's submission and admission
+
+    @property
+    def counted(self) -> bool:
+        return self.live_slice and self.baseline_clean
+
+    @property
+    def extra_wait_s(self) -> float:
+        """Signed: negative when the probe was served faster during recovery than idle."""
+        return self.during_s - self.baseline_s
+
+
+TrialFn = Callable[[Any, int, bool, random.Random, int, int, int], TrialOutcome]
+
+
 @dataclass(slots=True)
 class InterferenceRow:
     slice_tokens: int
     interruptible: bool
-    extra_wait: Spread
+    extra_wait: Spread | None  # over the trials that met a live slice; None when none did
     slice_seconds: float
+    trials: int = 0
+    not_live: int = 0  # trials whose probe met no live slice (flagged, not in the spread)
+    baseline_met_slice: int = 0  # trials whose baseline met a slice (flagged, not in the spread)
+    interrupted: int = 0  # counted trials whose live slice the probe interrupted
 
     @property
     def worst_fraction_of_slice(self) -> float:
-        return self.extra_wait.high / self.slice_seconds if self.slice_seconds else float("nan")
+        if self.extra_wait is None or not self.slice_seconds:
+            return float("nan")
+        return self.extra_wait.high / self.slice_seconds
 
 
 @dataclass(slots=True)
@@ -50,7 +103,48 @@ class InterferenceReport:
     balance_line: str  # the target's cost balance at the recovered prompt's length
 
 
-def _host(models: Any, slice_tokens: int, interruptible: bool, block_size: int, context: int) -> tuple[MockHost, RecoveryPlugin]:
+class _AdmissionWatch:
+    """Reads the recovery service's slice counters when a request is admitted. Runs on
+    the engine thread, so any slice live at the request's arrival has returned by then."""
+
+    def __init__(self, plugin: RecoveryPlugin, engine_id: str) -> None:
+        self._plugin, self._engine_id = plugin, engine_id
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    @hookimpl
+    def request_admitted(self, event: RequestAdmitted) -> None:
+        if event.engine_id != self._engine_id:
+            return
+        counts = _slice_counts(self._plugin, self._engine_id)
+        with self._lock:
+            self._seen[event.request_id] = counts
+
+    def at_admission(self, request_id: str) -> tuple[int, int]:
+        with self._lock:
+            counts = self._seen.get(request_id)
+        if counts is None:
+            raise MissingMeasurement(f"{request_id} was served but its admission was not observed")
+        return counts
+
+
+def _slice_counts(plugin: RecoveryPlugin, engine_id: str) -> tuple[int, int]:
+    """(slices run, slices interrupted) of the engine's recovery so far."""
+    service = plugin.service(engine_id)
+    if service is None:
+        raise MissingMeasurement(f"engine {engine_id} has no recovery service")
+    counters = service.snapshot().counters
+    return counters.slices, counters.slices_interrupted
+
+
+def _ttft(host: MockHost, request_id: str, what: str) -> float:
+    result = host.wait(request_id, timeout=600)
+    if result.ttft_s is None:
+        raise MissingMeasurement(f"the {what} request {request_id} got no time to first token")
+    return result.ttft_s
+
+
+def _host(models: Any, slice_tokens: int, interruptible: bool, block_size: int, context: int) -> tuple[MockHost, RecoveryPlugin, _AdmissionWatch]:
     plugin = RecoveryPlugin(
         settings=RecoverySettings(
             budget_pct=100.0,
@@ -62,39 +156,100 @@ def _host(models: Any, slice_tokens: int, interruptible: bool, block_size: int, 
         ),
         control_socket=False,
     )
-    host = MockHost(make_plugin_manager([plugin], settings=RecoverySettings(), entry_points_too=False))
+    watch = _AdmissionWatch(plugin, "e0")
+    host = MockHost(make_plugin_manager([plugin, watch], settings=RecoverySettings(), entry_points_too=False))
     model, tokenizer, draft = models
     host.add_engine(
         "e0", model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL_ID,
         block_size=block_size, prefill_step=512, sparse_threshold=min(1024, context // 2), pool_blocks=4096,
     )
-    return host, plugin
+    return host, plugin, watch
 
 
-def _trial(models: Any, slice_tokens: int, interruptible: bool, rng: random.Random, context: int, block_size: int, probe_len: int) -> tuple[float, float, float]:
-    """One arrival during recovery and its idle baseline; returns (during, baseline) time
-    to first token and the longest whole slice the trial ran."""
-    host, plugin = _host(models, slice_tokens, interruptible, block_size, context)
+def arrive_at_random(plugin: RecoveryPlugin, rng: random.Random) -> None:
+    """Return at a random moment within a second of the first slice's end. Recovery may
+    be over by then; the trial then finds no live slice and is flagged."""
+    deadline = time.monotonic() + 60
+    while plugin.status()["process"]["slices"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 1.0))
+
+
+def arrive_after_recovery(plugin: RecoveryPlugin, rng: random.Random) -> None:
+    """Return once recovery is over (no job, no live state): a probe sent then meets no slice."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = plugin.status()
+        if status["process"]["jobs"] == 0 and all(e["live_job_id"] is None for e in status["engines"].values()):
+            return
+        time.sleep(0.005)
+    raise TimeoutError("recovery did not finish within 60 s")
+
+
+def run_trial(
+    models: Any, slice_tokens: int, interruptible: bool, rng: random.Random, context: int, block_size: int,
+    probe_len: int, *, arrive: Callable[[RecoveryPlugin, random.Random], None] = arrive_at_random,
+) -> TrialOutcome:
+    """One arrival during recovery (``arrive`` returns when the probe is to be sent) and
+    its idle baseline."""
+    host, plugin, watch = _host(models, slice_tokens, interruptible, block_size, context)
     long_prompt = [rng.randrange(256) for _ in range(context)]
     probe = [rng.randrange(256) for _ in range(probe_len)]
     host.start()
     try:
-        host.wait(host.submit("e0", long_prompt, max_tokens=1, sparse=True), timeout=600)
-        # Land at a random moment once slices are under way.
-        deadline = time.monotonic() + 60
-        while plugin.status()["process"]["slices"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 1.0))
-        during = host.wait(host.submit("e0", probe, max_tokens=1), timeout=600).ttft_s or 0.0
-        plugin.set_budget(0.0)  # the baseline must not meet a slice
-        probe2 = [(t + 1) % 256 for t in probe]
-        baseline = host.wait(host.submit("e0", probe2, max_tokens=1), timeout=600).ttft_s or 0.0
+        _ttft(host, host.submit("e0", long_prompt, max_tokens=1, sparse=True), "long")
+        arrive(plugin, rng)
+        before = _slice_counts(plugin, "e0")
+        probe_id = host.submit("e0", probe, max_tokens=1)
+        during = _ttft(host, probe_id, "probe")
+        admitted = watch.at_admission(probe_id)
+        # The baseline must not meet a slice: no new one starts at budget 0, and a
+        # throwaway request waits out one that started after the probe was served.
+        plugin.set_budget(0.0)
+        _ttft(host, host.submit("e0", [(t + 2) % 256 for t in probe], max_tokens=1), "drain")
+        before_baseline = _slice_counts(plugin, "e0")
+        baseline_id = host.submit("e0", [(t + 1) % 256 for t in probe], max_tokens=1)
+        baseline = _ttft(host, baseline_id, "baseline")
+        baseline_admitted = watch.at_admission(baseline_id)
         service = plugin.service("e0")
-        longest = service.snapshot().counters.slice_seconds_max if service is not None else 0.0
+        if service is None:
+            raise MissingMeasurement("engine e0 has no recovery service")
+        longest = service.snapshot().counters.slice_seconds_max
     finally:
         host.stop()
         plugin.close()
-    return during, baseline, longest
+    return TrialOutcome(
+        during_s=during,
+        baseline_s=baseline,
+        longest_slice_s=longest,
+        live_slice=admitted[0] > before[0],
+        interrupted=admitted[1] > before[1],
+        baseline_clean=baseline_admitted[0] == before_baseline[0],
+    )
+
+
+def summarise(
+    configs: list[tuple[int, bool]], outcomes: dict[tuple[int, bool], list[TrialOutcome]]
+) -> list[InterferenceRow]:
+    """One row per configuration: the signed extra waits of the trials that met a live
+    slice (the others counted in ``not_live``), and the median over the trials without
+    interruption of their longest whole slice."""
+    rows = []
+    for s, i in configs:
+        trials = outcomes[(s, i)]
+        counted = [t for t in trials if t.counted]
+        whole = [t.longest_slice_s for t in outcomes.get((s, False), [])]
+        rows.append(InterferenceRow(
+            slice_tokens=s,
+            interruptible=i,
+            extra_wait=spread([t.extra_wait_s for t in counted]) if counted else None,
+            slice_seconds=spread(whole).median if whole else float("nan"),
+            trials=len(trials),
+            not_live=sum(1 for t in trials if not t.live_slice),
+            baseline_met_slice=sum(1 for t in trials if t.live_slice and not t.baseline_clean),
+            interrupted=sum(1 for t in counted if t.interrupted),
+        ))
+    return rows
 
 
 def run_interference_bench(
@@ -106,6 +261,7 @@ def run_interference_bench(
     seed: int = 0,
     models: Any = None,
     progress: Any = print,
+    trial: TrialFn = run_trial,
 ) -> InterferenceReport:
     if models is None:
         # The demo's pair. Stop checks come between layers and passes (at most 256
@@ -118,18 +274,18 @@ def run_interference_bench(
     progress(balance_line)
     rng = random.Random(seed)
     configs = [(s, i) for s in slice_sizes for i in (True, False)]
-    waits: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
-    whole_slice: dict[int, list[float]] = {s: [] for s in slice_sizes}
-    for trial in range(trials):
+    outcomes: dict[tuple[int, bool], list[TrialOutcome]] = {c: [] for c in configs}
+    for n in range(trials):
         for config in configs:
-            during, baseline, longest = _trial(models, *config, rng, context, block_size, probe_len)
-            waits[config].append(max(0.0, during - baseline))
-            if not config[1]:
-                whole_slice[config[0]].append(longest)
-            progress(f"trial {trial + 1}/{trials} slice {config[0]:>5} interruptible {config[1]!s:<5} "
-                     f"ttft during {during:.3f}s baseline {baseline:.3f}s longest slice {longest:.3f}s")
-    rows = [InterferenceRow(s, i, spread(waits[(s, i)]), spread(whole_slice[s]).median) for s, i in configs]
-    return InterferenceReport(rows, balance_line)
+            t = trial(models, *config, rng, context, block_size, probe_len)
+            outcomes[config].append(t)
+            live = ("live slice, interrupted" if t.interrupted else "live slice") if t.live_slice else "NO LIVE SLICE (not counted)"
+            if not t.baseline_clean:
+                live += "; BASELINE MET A SLICE" + ("" if not t.live_slice else " (not counted)")
+            progress(f"trial {n + 1}/{trials} slice {config[0]:>5} interruptible {config[1]!s:<5} "
+                     f"ttft during {t.during_s:.3f}s baseline {t.baseline_s:.3f}s extra {t.extra_wait_s:+.3f}s "
+                     f"longest slice {t.longest_slice_s:.3f}s; {live}")
+    return InterferenceReport(summarise(configs, outcomes), balance_line)
 
 
 def format_rows(report: InterferenceReport) -> str:
@@ -137,10 +293,15 @@ def format_rows(report: InterferenceReport) -> str:
 
     rows = report.rows
     lines = [f"BLAS: {describe()}", report.balance_line,
-             f"{'slice':>6} {'interruptible':>13} | {'extra wait s: median [min, max]':<36} | {'slice s':>8} | worst/slice",
-             "(slice s: the longest whole slice of a trial, median over trials)"]
+             f"{'slice':>6} {'interruptible':>13} | {'extra wait s (signed): median [min, max]':<41} | "
+             f"{'no live slice':>13} | {'dirty baseline':>14} | {'slice s':>8} | worst/slice",
+             "(extra wait: during - baseline over the trials counted; no live slice / dirty baseline: "
+             "trials flagged and left out, of all trials; slice s: the longest whole slice of a trial, "
+             "median over trials)"]
     for r in rows:
-        lines.append(f"{r.slice_tokens:>6} {r.interruptible!s:>13} | {r.extra_wait!s:<36} | "
+        wait = str(r.extra_wait) if r.extra_wait is not None else "n/a (no trial counted)"
+        lines.append(f"{r.slice_tokens:>6} {r.interruptible!s:>13} | {wait:<41} | "
+                     f"{f'{r.not_live}/{r.trials}':>13} | {f'{r.baseline_met_slice}/{r.trials}':>14} | "
                      f"{r.slice_seconds:>8.3f} | {r.worst_fraction_of_slice:.2f}")
     return "\n".join(lines)
 

@@ -7,9 +7,11 @@ adopting request references the same physical blocks with one pin each
 (``<clone>/pin``), so the stored entry stays whole for every other request.
 
 :meth:`DetachedStore.admit` is the server's entry lookup. Without the adopter it adopts a
-whole-entry match only and declines every partial match (the behaviour the adopter
-fixes); with a plugin manager it asks the ``prefix_lookup`` hook through
-:class:`~mlx_recovery_plugin.plugins.HookEmitter` and restores from the decision.
+whole-entry match, and a partial match as ``partial`` says: ``"decline"`` (the default)
+refuses it, ``"whole_blocks"`` restores the whole blocks of the shared prefix, clone-and-pin
+(as oMLX, whose paged cache matches whole blocks, does); with a plugin manager it asks the
+``prefix_lookup`` hook through :class:`~mlx_recovery_plugin.plugins.HookEmitter` and
+restores from the decision.
 
 Threads: the store is shared by the threads that admit requests; every public method
 holds ``_lock`` for its whole body, so each is atomic, and the hook is called outside
@@ -22,7 +24,7 @@ import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import pluggy
@@ -39,7 +41,7 @@ from ..kvcodec import (
 )
 from ..plugins import HookEmitter
 from ..recovery.jobs import common_prefix_len
-from ..state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot
+from ..state import BlockState, KVBlock, LayerBlock, RecurrentSnapshot, floor_block
 from .block_pool import BlockPool, PoolExhaustedError
 
 
@@ -84,7 +86,9 @@ class DetachedStore:
     """Detached sets over a :class:`BlockPool`, indexed as stored prefix entries.
 
     ``can_clone=False`` makes the plain path take whole entries (one-shot) instead of
-    cloning them. ``fail_pin_on`` injects a fault: it returns True for a block id whose
+    cloning them. ``partial`` is what the plain path does with a partial match:
+    ``"decline"`` it, or restore its ``"whole_blocks"`` (clone-and-pin of the block-floored
+    shared prefix, whatever ``can_clone`` says). ``fail_pin_on`` injects a fault: it returns True for a block id whose
     pin should fail (as when a host's pin table is full).
     """
 
@@ -95,11 +99,15 @@ class DetachedStore:
         pm: pluggy.PluginManager | None = None,
         engine_id: str = "engine-0",
         can_clone: bool = True,
+        partial: Literal["decline", "whole_blocks"] = "decline",
     ) -> None:
+        if partial not in ("decline", "whole_blocks"):
+            raise ValueError(f"partial must be 'decline' or 'whole_blocks', got {partial!r}")
         self.pool = pool
         self.block_size = pool.block_size
         self.engine_id = engine_id
         self.can_clone = can_clone
+        self.partial = partial
         self.emitter = HookEmitter(pm) if pm is not None else None
         self.fail_pin_on: Callable[[int], bool] | None = None
         self._lock = threading.RLock()
@@ -228,6 +236,8 @@ class DetachedStore:
 
     def _plain(self, request_id: str, entry: DetachedSet, matched: int) -> Admission:
         if matched != entry.length:
+            if self.partial == "whole_blocks":
+                return self._whole_blocks(request_id, entry, matched)
             return Admission(request_id, 0, None, "declined_partial", entry.set_id, matched)
         try:
             if self.can_clone:
@@ -237,6 +247,18 @@ class DetachedStore:
         except (PinError, PinsNotOwnedError):
             return Admission(request_id, 0, None, "pin_failed", entry.set_id, matched)
         return Admission(request_id, entry.length, handle, "whole", entry.set_id, matched)
+
+    def _whole_blocks(self, request_id: str, entry: DetachedSet, matched: int) -> Admission:
+        """A partial match restores the whole blocks of the shared prefix, nothing checked
+        beyond that (no side data, window or snapshot rules: the host's own matching)."""
+        target = floor_block(matched, self.block_size)
+        if target == 0:
+            return Admission(request_id, 0, None, "below_block", entry.set_id, matched)
+        try:
+            handle = self.clone_prefix(entry, target, owner=request_id)
+        except (PinError, PinsNotOwnedError):
+            return Admission(request_id, 0, None, "pin_failed", entry.set_id, matched)
+        return Admission(request_id, target, handle, "whole_blocks", entry.set_id, matched)
 
     # -- DetachedEntryStore -------------------------------------------------------
     def describe(self, entry: object) -> EntryLayout:
