@@ -17,8 +17,8 @@ import json
 import sys
 from dataclasses import asdict, replace
 
-from mlx_recovery_plugin.demo.omlx import ARMS, config_from_demo, run_omlx_session
-from mlx_recovery_plugin.demo.report import ARM_TITLES
+from mlx_recovery_plugin.demo.omlx import run_omlx_session
+from mlx_recovery_plugin.demo.report import ARM_TITLES, ARMS
 from mlx_recovery_plugin.demo.run import DemoConfig, prepare_models
 from mlx_recovery_plugin.demo.session import SessionSpec, build_session
 from mlx_recovery_plugin.runner.blas import describe, warn_once_if_slow
@@ -47,11 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     models = prepare_models(config)
     encode = lambda text: list(models.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     turns = build_session(config.session, encode)
-    serve = config_from_demo(config.serve, args.think)
+    serve = config.serve
     print(f"oMLX scheduler; model {config.target.hidden_size}x{config.target.num_layers} float32; BLAS: {describe()}")
     print(f"block {serve.block_size}, sparse threshold {serve.sparse_threshold}, keep {serve.sparse_keep}, "
           f"budget {serve.budget_pct}%, think {args.think}s")
-    results = run_omlx_session(models.model, models.tokenizer, models.draft, [t.prompt for t in turns], config=serve)
+    results = run_omlx_session(models.model, models.tokenizer, models.draft, [t.prompt for t in turns], config=serve, think_time_s=args.think)
 
     print(f"{'turn':>4} {'tokens':>7} | " + " | ".join(f"{ARM_TITLES[a]:^24}" for a in ARMS))
     print(f"{'':>4} {'':>7} | " + " | ".join(f"{'cached':>8} {'ttft s':>7} {'route':>6}" for _ in ARMS))

@@ -37,7 +37,3 @@ def loaded(tiny_llama_dir: Path, tiny_draft_dir: Path) -> tuple[Any, Any, Any]:
     draft, _ = load_tiny_model(tiny_draft_dir)
     return model, tokenizer, draft
 
-
-def token_run(n: int, seed: int = 0) -> list[int]:
-    """``n`` deterministic byte tokens (a stand-in for text)."""
-    return [(seed * 131 + i * 37 + (i * i) % 11) % 256 for i in range(n)]

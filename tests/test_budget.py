@@ -11,22 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_recovery_plugin.recovery.budget import Budget
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from mlx_recovery_plugin.testing.clock import FakeClock
 
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(1000.0)
 
 
 def test_zero_percent_is_off(clock: FakeClock) -> None:
@@ -230,7 +220,7 @@ def test_slices_longer_than_the_allowance_still_keep_each_window_within_allowanc
 def test_random_slices_and_idle_gaps_never_exceed_cap_plus_one_slice(
     pct: float, window_s: float, seed: int, slice_fraction: float, gap_every: int
 ) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = Budget(pct, window_s, clock=clock)
     allowance = window_s * pct / 100.0
     rng = random.Random(seed)
@@ -344,7 +334,7 @@ def test_any_slice_lengths_keep_the_share_within_cap_plus_one_slice(
 ) -> None:
     """Slices far longer than a window (a slow machine) used to be forgiven after one
     window and ran at 60-70 % of wall time under a 5-10 % cap."""
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = Budget(pct, window_s, clock=clock)
     allowance = window_s * pct / 100.0
     start = clock.now

@@ -23,6 +23,7 @@ from mlx_recovery_plugin.recovery.budget import Budget
 from mlx_recovery_plugin.recovery.control import ControlError, ControlServer, default_socket_path, request
 from mlx_recovery_plugin.recovery.control_paths import find_sockets
 from mlx_recovery_plugin.recovery.registry import ArrivalRegistry
+from mlx_recovery_plugin.testing.clock import FakeClock
 
 NOBODY = 65534
 
@@ -36,13 +37,6 @@ def budget_setter(budget: Budget) -> Callable[[float], dict[str, Any]]:
         return budget.snapshot()
 
     return set_budget
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -59,7 +53,7 @@ def base() -> Iterator[Path]:
 
 @pytest.fixture
 def budget() -> Budget:
-    return Budget(10.0, 10.0, clock=Clock())
+    return Budget(10.0, 10.0, clock=FakeClock())
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ bounded book, working order and fault back-off."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,13 +13,9 @@ from mlx_recovery_plugin.recovery.jobs import (
     common_prefix_len,
     relate,
 )
+from mlx_recovery_plugin.testing.clock import random_tokens
 
 B = 16
-
-
-def toks(seed: int, n: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(256) for _ in range(n))
 
 
 def served(book: JobBook, tokens: tuple[int, ...], start: int = 0):
@@ -29,7 +23,7 @@ def served(book: JobBook, tokens: tuple[int, ...], start: int = 0):
 
 
 def test_common_prefix_len_counts_shared_leading_tokens_across_chunk_sizes() -> None:
-    a = toks(1, 1000)
+    a = tuple(random_tokens(1, 1000))
     for cut in (0, 1, 255, 256, 257, 999):
         b = a[:cut] + tuple((t + 1) % 256 for t in a[cut:])
         assert common_prefix_len(a, b) == cut
@@ -46,21 +40,21 @@ def test_common_prefix_len_matches_the_definition(a: list[int], b: list[int]) ->
 
 
 def test_relation_of_append_prefix_fork_and_other_session() -> None:
-    job = toks(1, 100)
-    assert relate(job, job + toks(2, 30), B) is Relation.EXTENDS
+    job = tuple(random_tokens(1, 100))
+    assert relate(job, job + tuple(random_tokens(2, 30)), B) is Relation.EXTENDS
     assert relate(job, job, B) is Relation.EXTENDS
     assert relate(job, job[:40], B) is Relation.CONTAINED
     # Shares most of the job, then differs: an edited last turn.
-    assert relate(job, job[:80] + toks(3, 40), B) is Relation.FORKS
+    assert relate(job, job[:80] + tuple(random_tokens(3, 40)), B) is Relation.FORKS
     # Shares only a short head (a system prompt): another session.
-    assert relate(job, job[:20] + toks(4, 200), B) is Relation.UNRELATED
+    assert relate(job, job[:20] + tuple(random_tokens(4, 200)), B) is Relation.UNRELATED
     # Shares less than one block: never a fork, however short the job.
-    assert relate(job[:20], job[:10] + toks(5, 10), B) is Relation.UNRELATED
+    assert relate(job[:20], job[:10] + tuple(random_tokens(5, 10)), B) is Relation.UNRELATED
 
 
 def test_first_served_range_queues_a_job_with_the_host_prefix_as_committed() -> None:
     book = JobBook(B, max_jobs=4)
-    tokens = toks(1, 100)
+    tokens = tuple(random_tokens(1, 100))
     offer = book.offer(tokens, 35, 100)
     assert offer.relation is Relation.UNRELATED and offer.job is not None
     job = offer.job
@@ -74,17 +68,17 @@ def test_first_served_range_queues_a_job_with_the_host_prefix_as_committed() -> 
 
 def test_served_range_without_a_new_whole_block_queues_nothing() -> None:
     book = JobBook(B, max_jobs=4)
-    offer = book.offer(toks(1, 40), 32, 40)
+    offer = book.offer(tuple(random_tokens(1, 40)), 32, 40)
     assert offer.job is None and len(book) == 0
 
 
 def test_append_of_the_same_conversation_extends_the_job_and_keeps_its_progress() -> None:
     book = JobBook(B, max_jobs=4)
-    first = toks(1, 100)
+    first = tuple(random_tokens(1, 100))
     job = served(book, first).job
     assert job is not None
     job.committed = 64
-    second = first + toks(2, 50)
+    second = first + tuple(random_tokens(2, 50))
     offer = book.offer(second, 64, len(second))
     assert offer.relation is Relation.EXTENDS and offer.job is job
     assert job.tokens == second and job.target_end == 150 and job.committed == 64
@@ -93,19 +87,19 @@ def test_append_of_the_same_conversation_extends_the_job_and_keeps_its_progress(
 
 def test_extension_takes_a_longer_host_prefix_as_committed() -> None:
     book = JobBook(B, max_jobs=4)
-    first = toks(1, 100)
+    first = tuple(random_tokens(1, 100))
     job = served(book, first).job
     assert job is not None
-    second = first + toks(2, 50)
+    second = first + tuple(random_tokens(2, 50))
     book.offer(second, 96, len(second))
     assert job.committed == 96
 
 
 def test_earlier_turn_served_again_only_refreshes_the_job() -> None:
     book = JobBook(B, max_jobs=4)
-    long = toks(1, 200)
+    long = tuple(random_tokens(1, 200))
     job = served(book, long).job
-    other = served(book, toks(9, 100)).job
+    other = served(book, tuple(random_tokens(9, 100))).job
     assert list(book)[0] is other
     offer = served(book, long[:120])
     assert offer.relation is Relation.CONTAINED and offer.job is job
@@ -115,9 +109,9 @@ def test_earlier_turn_served_again_only_refreshes_the_job() -> None:
 
 def test_fork_replaces_the_job_it_forks_from() -> None:
     book = JobBook(B, max_jobs=4)
-    base = toks(1, 200)
+    base = tuple(random_tokens(1, 200))
     old = served(book, base).job
-    forked = base[:150] + toks(2, 60)
+    forked = base[:150] + tuple(random_tokens(2, 60))
     offer = served(book, forked)
     assert offer.relation is Relation.FORKS
     assert offer.dropped == [old]
@@ -126,13 +120,13 @@ def test_fork_replaces_the_job_it_forks_from() -> None:
 
 def test_interleaved_sessions_sharing_a_system_prompt_keep_their_own_jobs() -> None:
     book = JobBook(B, max_jobs=4)
-    system = toks(0, 32)
-    a = system + toks(1, 200)
-    b = system + toks(2, 200)
+    system = tuple(random_tokens(0, 32))
+    a = system + tuple(random_tokens(1, 200))
+    b = system + tuple(random_tokens(2, 200))
     job_a = served(book, a).job
     job_b = served(book, b).job
-    a2 = a + toks(3, 40)
-    b2 = b + toks(4, 40)
+    a2 = a + tuple(random_tokens(3, 40))
+    b2 = b + tuple(random_tokens(4, 40))
     assert served(book, a2).job is job_a
     assert served(book, b2).job is job_b
     assert {j.tokens for j in book} == {a2, b2}
@@ -140,18 +134,18 @@ def test_interleaved_sessions_sharing_a_system_prompt_keep_their_own_jobs() -> N
 
 def test_book_keeps_at_most_max_jobs_dropping_the_least_recently_served() -> None:
     book = JobBook(B, max_jobs=3)
-    jobs = [served(book, toks(i, 64)).job for i in range(3)]
-    served(book, toks(0, 64) + toks(10, 16))  # session 0 comes back
-    offer = served(book, toks(3, 64))
+    jobs = [served(book, tuple(random_tokens(i, 64))).job for i in range(3)]
+    served(book, tuple(random_tokens(0, 64)) + tuple(random_tokens(10, 16)))  # session 0 comes back
+    offer = served(book, tuple(random_tokens(3, 64)))
     assert offer.dropped == [jobs[1]]
     assert len(book) == 3
-    assert [j.tokens[:64] for j in book] == [toks(3, 64), toks(0, 64), toks(2, 64)]
+    assert [j.tokens[:64] for j in book] == [tuple(random_tokens(3, 64)), tuple(random_tokens(0, 64)), tuple(random_tokens(2, 64))]
 
 
 def test_next_runnable_is_the_most_recent_unparked_unfinished_job() -> None:
     book = JobBook(B, max_jobs=4)
-    older = served(book, toks(1, 64)).job
-    newer = served(book, toks(2, 64)).job
+    older = served(book, tuple(random_tokens(1, 64))).job
+    newer = served(book, tuple(random_tokens(2, 64))).job
     assert older is not None and newer is not None
     assert book.next_runnable(now=0.0) is newer
     assert book.park(newer, now=0.0, base_s=1.0, max_s=8.0, max_attempts=3)
@@ -165,7 +159,7 @@ def test_next_runnable_is_the_most_recent_unparked_unfinished_job() -> None:
 
 def test_parking_doubles_the_wait_and_drops_the_job_after_max_attempts() -> None:
     book = JobBook(B, max_jobs=4)
-    job = served(book, toks(1, 64)).job
+    job = served(book, tuple(random_tokens(1, 64))).job
     assert job is not None
     waits = []
     for _ in range(3):
@@ -178,8 +172,8 @@ def test_parking_doubles_the_wait_and_drops_the_job_after_max_attempts() -> None
 
 def test_debt_sums_served_but_not_committed_tokens() -> None:
     book = JobBook(B, max_jobs=4)
-    a = served(book, toks(1, 100)).job
-    served(book, toks(2, 50))
+    a = served(book, tuple(random_tokens(1, 100))).job
+    served(book, tuple(random_tokens(2, 50)))
     assert a is not None
     a.committed = 64
     assert book.debt == (100 - 64) + 50
@@ -188,7 +182,7 @@ def test_debt_sums_served_but_not_committed_tokens() -> None:
 def test_bad_served_range_is_refused() -> None:
     book = JobBook(B, max_jobs=4)
     with pytest.raises(ValueError):
-        book.offer(toks(1, 10), 5, 11)
+        book.offer(tuple(random_tokens(1, 10)), 5, 11)
 
 
 @given(
@@ -204,9 +198,9 @@ def test_book_invariants_hold_over_random_offers(ops: list[tuple[int, int, bool]
     book = JobBook(B, max_jobs=3)
     convs: dict[int, tuple[int, ...]] = {}
     for conv, blocks, fork in ops:
-        tokens = convs.get(conv, toks(100 + conv, 8))
+        tokens = convs.get(conv, tuple(random_tokens(100 + conv, 8)))
         tokens = tokens[: len(tokens) // 2] if fork else tokens
-        tokens = tokens + toks(len(tokens) * 7 + conv, blocks * B - 3)
+        tokens = tokens + tuple(random_tokens(len(tokens) * 7 + conv, blocks * B - 3))
         convs[conv] = tokens
         offer = served(book, tokens)
         if offer.job is not None:

@@ -18,24 +18,16 @@ omlx = pytest.importorskip(
 from mlx_recovery_plugin.events import IdleStep
 from mlx_recovery_plugin.hookspecs import hookimpl
 from mlx_recovery_plugin.hosts.omlx.idle_driver import IdleDriver
+from mlx_recovery_plugin.testing.clock import FakeClock
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens
 from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 # -- the driver alone ------------------------------------------------------------------
 
 
 def test_driver_offers_once_after_work_then_only_while_asked() -> None:
-    driver = IdleDriver(FakeClock())
+    driver = IdleDriver(FakeClock(100.0))
     assert not driver.wants_step()
     driver.note_work()
     assert driver.wants_step()
@@ -46,7 +38,7 @@ def test_driver_offers_once_after_work_then_only_while_asked() -> None:
 
 
 def test_driver_waits_for_the_shortest_delay_asked() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     driver = IdleDriver(clock)
     driver.wake()
     driver.record_results([5.0, 2.0, None])
@@ -60,7 +52,7 @@ def test_driver_waits_for_the_shortest_delay_asked() -> None:
 
 @pytest.mark.parametrize("answer", [0.0, -1.0, float("nan"), float("inf"), "soon", 1])
 def test_driver_ignores_answers_that_are_not_a_positive_finite_delay(answer: Any) -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     driver = IdleDriver(clock)
     driver.wake()
     driver.record_results([answer])
@@ -70,7 +62,7 @@ def test_driver_ignores_answers_that_are_not_a_positive_finite_delay(answer: Any
 
 
 def test_a_stopped_driver_offers_nothing_until_resumed() -> None:
-    driver = IdleDriver(FakeClock())
+    driver = IdleDriver(FakeClock(100.0))
     driver.wake()
     driver.stop()
     driver.wake()
@@ -81,7 +73,7 @@ def test_a_stopped_driver_offers_nothing_until_resumed() -> None:
 
 
 def test_a_failing_idle_step_ends_the_offers() -> None:
-    driver = IdleDriver(FakeClock())
+    driver = IdleDriver(FakeClock(100.0))
     driver.wake()
 
     def emit(event: IdleStep) -> list[Any]:
@@ -101,7 +93,7 @@ def models(tiny_llama_dir: Path) -> tuple[Any, Any]:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(100.0)
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ omlx = pytest.importorskip(
 from omlx.engine_core import EngineCore
 from omlx.scheduler import Scheduler
 
+from mlx_recovery_plugin.demo.arms import ServeConfig
 from mlx_recovery_plugin.demo.omlx import (
-    OmlxServeConfig,
     make_scheduler,
     serve,
 )
@@ -42,7 +42,7 @@ from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens
 from mlx_recovery_plugin.testing.omlx_host import make_request
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
-CONFIG = OmlxServeConfig(model_id="tiny", block_size=64, prefill_step=128, max_cache_blocks=256)
+CONFIG = ServeConfig(model_id="tiny", block_size=64, prefill_step=128, sparse_threshold=1024, pool_blocks=256)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ omlx = pytest.importorskip(
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_recovery_plugin.demo.arms import ServeConfig
 from mlx_recovery_plugin.demo.omlx import (
-    OmlxServeConfig,
     held_references,
     make_scheduler,
     serve,
@@ -32,7 +32,7 @@ from mlx_recovery_plugin.testing.omlx_host import make_request
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 BLOCK = 64
-CONFIG = OmlxServeConfig(model_id="tiny", block_size=BLOCK, prefill_step=128, max_cache_blocks=512)
+CONFIG = ServeConfig(model_id="tiny", block_size=BLOCK, prefill_step=128, sparse_threshold=1024, pool_blocks=512)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
-from mlx_recovery_plugin.demo.omlx import OmlxArm, OmlxServeConfig
+from mlx_recovery_plugin.demo.arms import ServeConfig
+from mlx_recovery_plugin.demo.omlx import OmlxArm
 from mlx_recovery_plugin.hookspecs import hookimpl
 from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
@@ -28,6 +29,7 @@ from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 BLOCK = 64
 THRESHOLD = 256  # prompts whose uncached part is longer take the sparse route
 WAIT_S = 60.0
+THINK_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,9 @@ def test_later_turns_restore_recovered_blocks_and_generate_like_the_dense_route(
     # 320: sparse. 470: the recovered 320 plus 150 new, dense. 870: 422 uncached after the
     # dense route stored 448, sparse again. 1020: the recovered 832 plus 188 new, dense.
     prompts = growing_conversation([320, 470, 870, 1020])
-    config = OmlxServeConfig(
+    config = ServeConfig(
         model_id="tiny", block_size=BLOCK, prefill_step=128, sparse_threshold=THRESHOLD,
-        max_tokens=6, budget_pct=50.0, think_time_s=30.0, max_cache_blocks=512,
+        max_tokens=6, budget_pct=50.0, pool_blocks=512,
     )
     arms = {arm: OmlxArm(arm, model, tokenizer, draft, config, tmp_path / arm)
             for arm in ("sparse_off", "sparse_on", "sparse_recovery")}
@@ -60,7 +62,7 @@ def test_later_turns_restore_recovered_blocks_and_generate_like_the_dense_route(
         for turn, prompt in enumerate(prompts):
             for arm in arms.values():
                 arm.serve(prompt, turn)
-                arm.think(config.think_time_s)
+                arm.think(THINK_S)
     finally:
         for arm in arms.values():
             arm.close()  # raises if any block reference was left behind

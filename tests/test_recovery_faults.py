@@ -17,6 +17,7 @@ from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.recovery.service import PARK_BASE_S
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.clock import FakeClock
 from mlx_recovery_plugin.testing.host import MockHost
 
 B = 64
@@ -26,14 +27,6 @@ SETTINGS = RecoverySettings(budget_pct=50.0, idle_steps=2, models={MODEL: {"enab
 
 FIRST_PROMPT = [random.Random(1).randrange(256) for _ in range(520)]  # 4 slices of work
 SECOND_PROMPT = FIRST_PROMPT + [random.Random(2).randrange(256) for _ in range(90)]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

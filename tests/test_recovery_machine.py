@@ -9,7 +9,6 @@ every job's committed boundary is block-aligned and restorable from the host's c
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.clock import random_tokens
 from mlx_recovery_plugin.testing.host import MockHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
@@ -38,11 +38,6 @@ SETTINGS = RecoverySettings(
 )
 FAULTS = ("advance_error", "advance_oom", "store_error", "probe_short", "fetch_error")
 MAX_PROMPT = 420
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 class Armed:
@@ -75,7 +70,7 @@ class Runner:
             raise MemoryError("injected")
         if m.arrive_during_slice is not None:
             engine_id, m.arrive_during_slice = m.arrive_during_slice, None
-            m.host.submit(engine_id, toks(next(m.seeds), 40), max_tokens=2)
+            m.host.submit(engine_id, random_tokens(next(m.seeds), 40), max_tokens=2)
         return self.inner.advance(live, end, should_stop)
 
     def discard(self, live: Any) -> None:
@@ -143,10 +138,10 @@ class RecoveryMachine(RuleBasedStateMachine):
 
     @rule(engine=st.integers(0, 1), conv=st.integers(0, 2), add=st.integers(1, 3), sparse=st.booleans())
     def request(self, engine: int, conv: int, add: int, sparse: bool) -> None:
-        prompt = self.conversations.get(conv, toks(conv, 60))
-        prompt = prompt + toks(next(self.seeds), 40 * add)
+        prompt = self.conversations.get(conv, random_tokens(conv, 60))
+        prompt = prompt + random_tokens(next(self.seeds), 40 * add)
         if len(prompt) > MAX_PROMPT:
-            prompt = toks(next(self.seeds), 100)
+            prompt = random_tokens(next(self.seeds), 100)
         rid = self.host.submit(self.engine_ids[engine], prompt, sparse=sparse, max_tokens=2)
         self.host.run_until_idle()
         self.conversations[conv] = prompt + list(self.host.result(rid).output_tokens)
@@ -170,7 +165,7 @@ class RecoveryMachine(RuleBasedStateMachine):
 
     @rule(engine=st.integers(0, 1))
     def abort_one(self, engine: int) -> None:
-        rid = self.host.submit(self.engine_ids[engine], toks(next(self.seeds), 80), sparse=True)
+        rid = self.host.submit(self.engine_ids[engine], random_tokens(next(self.seeds), 80), sparse=True)
         self.host.abort(rid)
         self.host.run_until_idle()
 

@@ -5,7 +5,6 @@ engine, budget and idle-step settings, status and the control channel."""
 from __future__ import annotations
 
 import os
-import random
 import stat
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,16 +20,12 @@ from mlx_recovery_plugin.recovery.control import request
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.clock import FakeClock, random_tokens
 from mlx_recovery_plugin.testing.host import MockHost
 
 B = 64
 STEP = 128
 MODEL = "tiny"
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 def make_settings(**overrides: Any) -> RecoverySettings:
@@ -41,17 +36,6 @@ def make_settings(**overrides: Any) -> RecoverySettings:
     }
     values.update(overrides)
     return RecoverySettings(**values)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class RecordingRunner:
@@ -119,7 +103,7 @@ def make_rig(loaded):
         **plugin_kw: Any,
     ) -> Rig:
         settings = settings or make_settings()
-        clock = clock or FakeClock()
+        clock = clock or FakeClock(1000.0)
         rig_box: list[Rig] = []
 
         def factory(handle: Any, block_size: int, interruptible: bool) -> RecordingRunner:
@@ -177,11 +161,11 @@ def cold(loaded):
 def test_recovery_off_serves_no_job_and_stores_nothing(make_rig, settings) -> None:
     rig = make_rig(settings)
     engine = rig.host.engines["e"]
-    prompt = toks(1, 400)
+    prompt = random_tokens(1, 400)
     for _ in range(3):
         result = rig.serve("e", prompt)
         assert rig.host.drive_idle() == 1  # offered once, nothing asked for more
-        prompt = prompt + list(result.output_tokens) + toks(2, 50)
+        prompt = prompt + list(result.output_tokens) + random_tokens(2, 50)
     assert result.cached_tokens == 0
     assert engine.prefix_cache.counters.stores == 0
     assert rig.calls == Counter()
@@ -191,7 +175,7 @@ def test_recovery_off_serves_no_job_and_stores_nothing(make_rig, settings) -> No
 
 def test_recovery_off_still_tracks_arrivals_and_departures(make_rig) -> None:
     rig = make_rig(make_settings(budget_pct=0.0))
-    rid = rig.host.submit("e", toks(1, 100))
+    rid = rig.host.submit("e", random_tokens(1, 100))
     assert rig.plugin.registry.foreground_active()
     rig.host.run_until_idle()
     assert not rig.plugin.registry.foreground_active()
@@ -203,7 +187,7 @@ def test_recovery_off_still_tracks_arrivals_and_departures(make_rig) -> None:
 
 def test_seven_turn_sparse_session_keeps_the_reusable_prefix_up_with_the_conversation(make_rig, cold) -> None:
     rig = make_rig()
-    prompt = toks(10, 330)
+    prompt = random_tokens(10, 330)
     previous_len = 0
     for turn in range(7):
         result = rig.serve("e", prompt)
@@ -219,7 +203,7 @@ def test_seven_turn_sparse_session_keeps_the_reusable_prefix_up_with_the_convers
         assert status["jobs"] == []  # the whole served range was recovered
         assert rig.host.engines["e"].prefix_cache.stored_tokens(prompt) == len(prompt) // B * B
         previous_len = len(prompt)
-        prompt = prompt + list(result.output_tokens) + toks(100 + turn, 90)
+        prompt = prompt + list(result.output_tokens) + random_tokens(100 + turn, 90)
 
     status = rig.engine_status()
     assert status["counters"]["faults"] == {}
@@ -236,9 +220,9 @@ def test_seven_turn_sparse_session_keeps_the_reusable_prefix_up_with_the_convers
 
 def test_a_job_starts_from_the_prefix_the_host_already_has(make_rig) -> None:
     rig = make_rig()
-    head = toks(3, 256)
+    head = random_tokens(3, 256)
     rig.serve("e", head, sparse=False)  # the host stores 256 tokens itself
-    prompt = head + toks(4, 300)
+    prompt = head + random_tokens(4, 300)
     result = rig.serve("e", prompt)
     assert result.route == "sparse" and result.cached_tokens == 256
     rig.host.drive_idle()
@@ -252,9 +236,9 @@ def test_a_job_starts_from_the_prefix_the_host_already_has(make_rig) -> None:
 
 def test_arrival_during_a_slice_stops_it_and_the_job_resumes_from_its_committed_block(make_rig, cold) -> None:
     rig = make_rig()
-    prompt = toks(20, 700)
+    prompt = random_tokens(20, 700)
     rig.serve("e", prompt)
-    arriving = toks(21, 150)
+    arriving = random_tokens(21, 150)
     rids: list[str] = []
 
     def arrive_on_second_slice(n: int) -> None:
@@ -283,11 +267,11 @@ def test_arrival_during_a_slice_stops_it_and_the_job_resumes_from_its_committed_
 def test_admission_retires_the_live_state_before_the_request_runs(make_rig) -> None:
     rig = make_rig()
     engine = rig.host.engines["e"]
-    rig.serve("e", toks(30, 700))
+    rig.serve("e", random_tokens(30, 700))
     engine.offer_idle_step()
     engine.offer_idle_step()  # one slice; the live state stays for the next one
     assert len(rig.open_lives) == 1
-    rig.serve("e", toks(31, 100), sparse=False)
+    rig.serve("e", random_tokens(31, 100), sparse=False)
     assert rig.open_lives == set()
     assert rig.calls["advance"] == 1
 
@@ -295,11 +279,11 @@ def test_admission_retires_the_live_state_before_the_request_runs(make_rig) -> N
 def test_arrival_on_another_engine_refuses_the_next_slice_and_retires_the_live_state(make_rig) -> None:
     rig = make_rig(engines=("e1", "e2"))
     e1 = rig.host.engines["e1"]
-    rig.serve("e1", toks(40, 700))
+    rig.serve("e1", random_tokens(40, 700))
     e1.offer_idle_step()
     e1.offer_idle_step()
     assert len(rig.open_lives) == 1
-    rig.host.submit("e2", toks(41, 100))
+    rig.host.submit("e2", random_tokens(41, 100))
     answers = e1.offer_idle_step()
     assert answers and isinstance(answers[0], float) and answers[0] > 0
     assert rig.calls["advance"] == 1 and rig.open_lives == set()
@@ -334,8 +318,8 @@ def _cancel(rig: Rig, how: str) -> None:
 def test_cancellation_hooks_drop_jobs_live_state_and_references(make_rig, how) -> None:
     rig = make_rig()
     engine = rig.host.engines["e"]
-    rig.serve("e", toks(50, 700))
-    rig.serve("e", toks(51, 300))
+    rig.serve("e", random_tokens(50, 700))
+    rig.serve("e", random_tokens(51, 300))
     engine.offer_idle_step()
     engine.offer_idle_step()
     assert len(rig.open_lives) == 1 and len(rig.engine_status()["jobs"]) == 2
@@ -351,7 +335,7 @@ def test_cancellation_hooks_drop_jobs_live_state_and_references(make_rig, how) -
     assert engines["e"]["counters"]["jobs_cancelled"] == 2
     assert rig.host.drive_idle() == 1
     # The engine keeps recovering what it serves next.
-    prompt = toks(52, 300)
+    prompt = random_tokens(52, 300)
     rig.serve("e", prompt)
     rig.host.drive_idle()
     assert engine.prefix_cache.stored_tokens(prompt) == 256
@@ -362,24 +346,24 @@ def test_cancellation_hooks_drop_jobs_live_state_and_references(make_rig, how) -
 
 def test_interleaved_sessions_keep_their_jobs_and_the_latest_is_recovered_first(make_rig) -> None:
     rig = make_rig()
-    system = toks(60, 64)
-    a = system + toks(61, 330)
-    b = system + toks(62, 330)
+    system = random_tokens(60, 64)
+    a = system + random_tokens(61, 330)
+    b = system + random_tokens(62, 330)
     rig.serve("e", a)
     rig.serve("e", b)
     assert len(rig.engine_status()["jobs"]) == 2
     rig.host.drive_idle()
     assert rig.begun[0][0][:100] == tuple(b[:100])  # most recently served goes first
     assert rig.engine_status()["jobs"] == []
-    a2 = rig.serve("e", a + toks(63, 80))
-    b2 = rig.serve("e", b + toks(64, 80))
+    a2 = rig.serve("e", a + random_tokens(63, 80))
+    b2 = rig.serve("e", b + random_tokens(64, 80))
     assert a2.cached_tokens == len(a) // B * B
     assert b2.cached_tokens == len(b) // B * B
 
 
 def test_jobs_per_engine_are_bounded_dropping_the_least_recently_served(make_rig) -> None:
     rig = make_rig(make_settings(max_jobs_per_engine=2))
-    sessions = [toks(70 + i, 300) for i in range(3)]
+    sessions = [random_tokens(70 + i, 300) for i in range(3)]
     for prompt in sessions:
         rig.serve("e", prompt)
     status = rig.engine_status()
@@ -393,9 +377,9 @@ def test_jobs_per_engine_are_bounded_dropping_the_least_recently_served(make_rig
 
 def test_a_fork_replaces_the_job_it_forks_from(make_rig) -> None:
     rig = make_rig()
-    base = toks(80, 500)
+    base = random_tokens(80, 500)
     rig.serve("e", base)
-    forked = base[:400] + toks(81, 100)
+    forked = base[:400] + random_tokens(81, 100)
     rig.serve("e", forked)
     (job,) = rig.engine_status()["jobs"]
     assert job["tokens"] == len(forked)
@@ -405,10 +389,10 @@ def test_a_fork_replaces_the_job_it_forks_from(make_rig) -> None:
 
 
 def test_spent_budget_window_asks_to_be_called_back_when_it_refills(make_rig) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     rig = make_rig(make_settings(budget_pct=10.0, budget_window_s=10.0), clock=clock)
     rig.before_advance = lambda n: clock.advance(0.6)  # each slice costs 0.6 s of a 1 s allowance
-    rig.serve("e", toks(90, 700))
+    rig.serve("e", random_tokens(90, 700))
     rig.host.drive_idle()
     assert rig.calls["advance"] == 2
     status = rig.engine_status()
@@ -422,14 +406,14 @@ def test_spent_budget_window_asks_to_be_called_back_when_it_refills(make_rig) ->
 
 
 def test_slices_shrink_to_the_allowance_so_long_slices_do_not_overshoot_the_cap(make_rig) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     rate = 1000.0  # simulated tokens per second: a 512-token slice would cost 5x the allowance
     rig = make_rig(
         make_settings(budget_pct=10.0, budget_window_s=1.0, models={MODEL: {"enabled": True, "slice_tokens": 512}}),
         clock=clock,
     )
     rig.slice_cost = lambda n: clock.advance(n / rate)
-    rig.serve("e", toks(91, 1600))
+    rig.serve("e", random_tokens(91, 1600))
     started = clock()
     for _ in range(200):
         rig.host.drive_idle()
@@ -448,7 +432,7 @@ def test_slices_shrink_to_the_allowance_so_long_slices_do_not_overshoot_the_cap(
 def test_slices_wait_for_the_models_idle_steps_and_use_its_slice_size(make_rig) -> None:
     rig = make_rig(make_settings(models={MODEL: {"enabled": True, "idle_steps": 4, "slice_tokens": 64}}))
     engine = rig.host.engines["e"]
-    rig.serve("e", toks(95, 300))
+    rig.serve("e", random_tokens(95, 300))
     for _ in range(3):
         assert engine.offer_idle_step() == [True]
     assert rig.calls["advance"] == 0
@@ -460,12 +444,12 @@ def test_slices_wait_for_the_models_idle_steps_and_use_its_slice_size(make_rig) 
 def test_set_budget_turns_recovery_off_and_on_in_place(make_rig) -> None:
     rig = make_rig()
     rig.plugin.set_budget(0)
-    rig.serve("e", toks(96, 300))
+    rig.serve("e", random_tokens(96, 300))
     assert rig.engine_status()["jobs"] == []
     assert rig.plugin.status()["enabled"] is False
     snapshot = rig.plugin.set_budget(25)
     assert snapshot["pct"] == 25
-    rig.serve("e", toks(97, 300))
+    rig.serve("e", random_tokens(97, 300))
     rig.host.drive_idle()
     assert rig.engine_status()["last_refusal"] == reasons.BUDGET_SPENT  # from the next window
     rig.clock.advance(rig.plugin.budget.window_s)
@@ -477,7 +461,7 @@ def test_set_budget_turns_recovery_off_and_on_in_place(make_rig) -> None:
 
 def test_jobs_paused_by_a_zero_budget_resume_when_it_is_raised_on_an_idle_host(make_rig) -> None:
     rig = make_rig()
-    rig.serve("e", toks(98, 300))
+    rig.serve("e", random_tokens(98, 300))
     rig.plugin.set_budget(0)
     rig.host.drive_idle()
     assert rig.engine_status()["counters"]["tokens_recovered"] == 0
@@ -495,7 +479,7 @@ def test_jobs_paused_by_a_zero_budget_resume_when_it_is_raised_on_an_idle_host(m
 def test_status_reports_jobs_boundaries_debt_and_counters(make_rig) -> None:
     rig = make_rig()
     engine = rig.host.engines["e"]
-    rig.serve("e", toks(98, 700))
+    rig.serve("e", random_tokens(98, 700))
     engine.offer_idle_step()
     engine.offer_idle_step()
     status = rig.plugin.status()

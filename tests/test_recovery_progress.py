@@ -14,8 +14,8 @@ from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.clock import FakeClock, random_tokens
 from mlx_recovery_plugin.testing.host import MockHost
-from test_recovery_plugin import FakeClock, toks
 
 MODEL = "tiny"
 
@@ -47,7 +47,7 @@ class CostedRunner:
 
 class Rig:
     def __init__(self, loaded: Any, *, block: int, a: float, b: float = 0.0, threshold: int = 16, **settings: Any) -> None:
-        self.clock = FakeClock()
+        self.clock = FakeClock(1000.0)
         values: dict[str, Any] = {"budget_pct": 10.0, "budget_window_s": 10.0, "idle_steps": 1,
                                   "models": {MODEL: {"enabled": True}}}
         values.update(settings)
@@ -125,7 +125,7 @@ def test_a_slow_machine_commits_at_least_80_percent_of_its_budgeted_dense_rate(r
     rate, block = 25.0, 256
     extra = {"slice_tokens": slice_tokens} if slice_tokens else {}
     rig = rigs(block=block, a=1.0 / rate, **extra)
-    prompt = toks(11, 2100)
+    prompt = random_tokens(11, 2100)
     rig.served(prompt, threshold=16, prefill_s=None)
     start = rig.clock()
     rig.idle(until=start + 3000.0)
@@ -146,7 +146,7 @@ def test_a_slow_machine_commits_at_least_80_percent_of_its_budgeted_dense_rate(r
 
 def test_a_spent_window_keeps_the_live_state_and_goes_on_from_it(rigs) -> None:
     rig = rigs(block=256, a=1.0 / 25.0)
-    prompt = toks(12, 1100)
+    prompt = random_tokens(12, 1100)
     rig.served(prompt, threshold=16, prefill_s=None)
     rig.idle(until=rig.clock() + 2000.0)
     assert rig.restorable(prompt) == 1024
@@ -166,7 +166,7 @@ def test_a_partial_prefix_that_would_slow_the_next_turn_is_held_then_published(r
     the sparse rerun costs ~10 s, so a prefix pays once fewer than ~900 tokens stay
     uncached, that is from 640 tokens on."""
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
-    prompt = toks(13, PROMPT)
+    prompt = random_tokens(13, PROMPT)
     rig.served(prompt, threshold=5000, prefill_s=6.6)
     seen: list[tuple[int, int]] = []
     while rig.restorable(prompt) < 960:
@@ -184,13 +184,13 @@ def test_a_partial_prefix_that_would_slow_the_next_turn_is_held_then_published(r
 
 def test_held_blocks_survive_a_foreground_request(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
-    prompt = toks(14, PROMPT)
+    prompt = random_tokens(14, PROMPT)
     rig.served(prompt, threshold=5000, prefill_s=6.6)
     for _ in range(3):
         rig.engine.offer_idle_step()
     (job,) = rig.status()["jobs"]
     assert job["committed"] == 0 and job["held_tokens"] == 384
-    rid = rig.host.submit("e", toks(15, 50), max_tokens=2)  # foreground: live state retired
+    rid = rig.host.submit("e", random_tokens(15, 50), max_tokens=2)  # foreground: live state retired
     rig.host.run_until_idle()
     assert rig.host.result(rid).output_tokens
     rig.idle(until=rig.clock() + 100.0)
@@ -200,7 +200,7 @@ def test_held_blocks_survive_a_foreground_request(rigs) -> None:
 
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
-    prompt = toks(16, PROMPT)
+    prompt = random_tokens(16, PROMPT)
     rig.served(prompt, threshold=5000, prefill_s=0.5)  # the sparse route is far cheaper
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(prompt) == 0
@@ -217,7 +217,7 @@ def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
 
 def test_policy_always_publishes_every_finished_block(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, publish_policy="always")
-    prompt = toks(17, PROMPT)
+    prompt = random_tokens(17, PROMPT)
     rig.served(prompt, threshold=5000, prefill_s=0.5)
     rig.engine.offer_idle_step()
     assert rig.restorable(prompt) == 128
@@ -227,11 +227,11 @@ def test_policy_always_publishes_every_finished_block(rigs) -> None:
 
 def test_a_new_turn_lifts_a_stand_down_for_a_fresh_judgement(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
-    prompt = toks(18, PROMPT)
+    prompt = random_tokens(18, PROMPT)
     rig.served(prompt, threshold=5000, prefill_s=0.5)
     rig.idle(until=rig.clock() + 100.0)
     assert rig.status()["jobs"][0]["stood_down"]
-    longer = prompt + toks(19, 200)
+    longer = prompt + random_tokens(19, 200)
     rig.served(longer, threshold=5000, prefill_s=60.0)  # now the sparse route is slow
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(longer) == 1152

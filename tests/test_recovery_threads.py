@@ -5,7 +5,6 @@ a cold host; recovery then finishes by itself."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -15,17 +14,13 @@ from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.clock import random_tokens
 from mlx_recovery_plugin.testing.host import MockHost
 
 B = 64
 MODEL = "tiny"
 SETTINGS = RecoverySettings(budget_pct=100.0, idle_steps=2, models={MODEL: {"enabled": True}})
 WAIT_S = 60.0  # generous bound on waits for another thread; never a timing assertion
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 class BlockingRunner:
@@ -93,7 +88,7 @@ def test_unload_from_a_control_thread_stops_the_running_slice_and_drops_everythi
     host, plugin, runners = build(loaded, ["e"])
     host.start()
     try:
-        rid = host.submit("e", toks(1, 700), sparse=True, max_tokens=2)
+        rid = host.submit("e", random_tokens(1, 700), sparse=True, max_tokens=2)
         host.wait(rid, WAIT_S)
         wait_until(lambda: runners)
         runner = runners[0]
@@ -111,7 +106,7 @@ def test_unload_from_a_control_thread_stops_the_running_slice_and_drops_everythi
 
 def test_request_on_another_engine_during_recovery_is_answered_as_on_a_cold_host(loaded) -> None:
     host, plugin, runners = build(loaded, ["e1", "e2"])
-    probe_prompt = toks(3, 200)
+    probe_prompt = random_tokens(3, 200)
     reference_host = MockHost(make_plugin_manager([], settings=SETTINGS, entry_points_too=False))
     model, tokenizer, _ = loaded
     reference_host.add_engine("cold", model=model, tokenizer=tokenizer, block_size=B, prefill_step=128)
@@ -121,7 +116,7 @@ def test_request_on_another_engine_during_recovery_is_answered_as_on_a_cold_host
 
     host.start()
     try:
-        long_prompt = toks(2, 900)
+        long_prompt = random_tokens(2, 900)
         host.wait(host.submit("e1", long_prompt, sparse=True, max_tokens=2), WAIT_S)
         wait_until(lambda: runners)
         runners[0].hold.set()

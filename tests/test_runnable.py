@@ -27,6 +27,7 @@ from mlx_recovery_plugin.recovery.runnable import (
     RunnableGate,
     memory_probe,
 )
+from mlx_recovery_plugin.testing.clock import FakeClock
 
 
 @dataclass
@@ -54,17 +55,10 @@ class EngineState:
         return self.sparse
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class World:
     registry: ArrivalRegistry = field(default_factory=ArrivalRegistry)
-    clock: Clock = field(default_factory=Clock)
+    clock: FakeClock = field(default_factory=FakeClock)
     budget: Budget = field(init=False)
     engines: dict[str, EngineState] = field(default_factory=dict)
     opted_in: set[str] = field(default_factory=lambda: {"m-a", "m-b"})

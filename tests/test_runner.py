@@ -23,6 +23,7 @@ from mlx_recovery_plugin.runner import LiveState, SliceRunner
 from mlx_recovery_plugin.state import BlockState
 from mlx_recovery_plugin.testing import BlockPool, LoadedModel, PagedPrefixCache
 from mlx_recovery_plugin.testing.caches import caches_equal, logical_state
+from mlx_recovery_plugin.testing.recorder import byte_tokens
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
 
 BLOCK = 64
@@ -46,10 +47,6 @@ LFM2_SPEC = TinyModelSpec(
         ("tie_word_embeddings", True),
     ),
 )
-
-
-def tokens(n: int, seed: int = 0) -> list[int]:
-    return [(seed * 131 + i * 37 + (i * i) % 11) % 256 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +156,7 @@ def test_blocks_restore_the_live_state_and_continue_like_a_cold_dense_run(
     models: dict[str, LoadedModel], arch: str, slice_tokens: int
 ) -> None:
     handle = models[arch]
-    prompt = tokens(PROMPT, seed=3)
+    prompt = byte_tokens(PROMPT, seed=3)
     whole = PROMPT // BLOCK
     runner = SliceRunner(handle, BLOCK)
     live = runner.begin(prompt)
@@ -181,7 +178,7 @@ def test_blocks_stored_and_fetched_through_the_mock_host_restore_the_live_state(
     models: dict[str, LoadedModel], arch: str
 ) -> None:
     handle = models[arch]
-    prompt = tokens(700, seed=5)
+    prompt = byte_tokens(700, seed=5)
     pool = BlockPool(num_blocks=32, block_size=BLOCK)
     prefix_cache = PagedPrefixCache(pool, handle.model_id)
     runner = SliceRunner(handle, BLOCK)
@@ -220,7 +217,7 @@ def test_a_prefix_restored_from_blocks_resumes_exactly_where_the_blocks_end(
     models: dict[str, LoadedModel],
 ) -> None:
     handle = models["qwen3"]
-    prompt = tokens(600, seed=9)
+    prompt = byte_tokens(600, seed=9)
     runner = SliceRunner(handle, BLOCK)
     straight = runner.begin(prompt)
     all_blocks = run_all(runner, straight, 600, 256)
@@ -238,7 +235,7 @@ def test_published_blocks_say_recovery_and_carry_no_draft_state(
 ) -> None:
     handle = models["lfm2"]
     runner = SliceRunner(handle, BLOCK)
-    live = runner.begin(tokens(300))
+    live = runner.begin(byte_tokens(300))
     out = runner.advance(live, 300)
     assert out.tokens_run == 300 and not out.interrupted
     assert [b.index for b in out.blocks] == [0, 1, 2, 3]
@@ -254,7 +251,7 @@ def test_a_slice_that_completes_no_block_publishes_nothing_but_advances(
     models: dict[str, LoadedModel],
 ) -> None:
     runner = SliceRunner(models["llama"], BLOCK)
-    live = runner.begin(tokens(200))
+    live = runner.begin(byte_tokens(200))
     out = runner.advance(live, 40)
     assert out.blocks == [] and out.tokens_run == 40 and live.offset == 40
     out = runner.advance(live, 130)
@@ -269,7 +266,7 @@ def test_an_interrupted_slice_leaves_the_live_cache_exactly_as_before(
     models: dict[str, LoadedModel], arch: str
 ) -> None:
     handle = models[arch]
-    prompt = tokens(900, seed=4)
+    prompt = byte_tokens(900, seed=4)
     runner = SliceRunner(handle, BLOCK)
     reference = runner.begin(prompt)
     expected = run_all(runner, reference, 900, 300)
@@ -298,7 +295,7 @@ def test_an_interrupted_slice_leaves_the_live_cache_exactly_as_before(
 def test_a_slice_stops_within_one_layer_of_the_signal(models: dict[str, LoadedModel]) -> None:
     handle = models["llama"]
     runner = SliceRunner(handle, BLOCK)
-    live = runner.begin(tokens(512))
+    live = runner.begin(byte_tokens(512))
     out = runner.advance(live, 512, stop_after(1))
     # Checked before each layer: the check before the second layer saw the signal and
     # the slice stopped there.
@@ -310,7 +307,7 @@ def test_long_slices_run_in_small_passes_so_a_stop_waits_for_one_small_layer(
 ) -> None:
     handle = models["llama"]
     layers = len(handle.model.layers)
-    prompt = tokens(512)
+    prompt = byte_tokens(512)
     fine, coarse = SliceRunner(handle, BLOCK, stop_grain=128), SliceRunner(handle, BLOCK, stop_grain=4096)
     fine_live, coarse_live = fine.begin(prompt), coarse.begin(prompt)
     assert fine.advance(fine_live, 512, lambda: False).stop_checks == 4 * layers
@@ -326,7 +323,7 @@ def test_a_non_interruptible_runner_ignores_the_stop_signal(
     models: dict[str, LoadedModel],
 ) -> None:
     runner = SliceRunner(models["qwen3"], BLOCK, interruptible=False)
-    live = runner.begin(tokens(300))
+    live = runner.begin(byte_tokens(300))
     out = runner.advance(live, 300, lambda: True)
     assert not out.interrupted and not out.interruptible
     assert out.tokens_run == 300 and live.offset == 300
@@ -336,7 +333,7 @@ def test_a_stop_signal_already_set_abandons_before_any_layer_runs(
     models: dict[str, LoadedModel],
 ) -> None:
     runner = SliceRunner(models["llama"], BLOCK)
-    live = runner.begin(tokens(300))
+    live = runner.begin(byte_tokens(300))
     out = runner.advance(live, 300, lambda: True)
     assert out.interrupted and out.stop_checks == 1 and live.offset == 0
 
@@ -346,7 +343,7 @@ def test_an_error_mid_slice_is_raised_with_the_cache_restored_and_unhooked(
     models: dict[str, LoadedModel], arch: str
 ) -> None:
     runner = SliceRunner(models[arch], BLOCK)
-    live = runner.begin(tokens(400))
+    live = runner.begin(byte_tokens(400))
     runner.advance(live, 100)
     before = frozen(live.cache)
     calls = [0]
@@ -377,7 +374,7 @@ def test_sliding_window_blocks_restore_the_window_and_continue_like_plain_mlx_lm
     models: dict[str, LoadedModel], max_size: int, keep: int
 ) -> None:
     handle = WindowedModel(models["llama"], max_size, keep)
-    prompt = tokens(700, seed=6)
+    prompt = byte_tokens(700, seed=6)
     runner = SliceRunner(handle, BLOCK)
     live = runner.begin(prompt)
     blocks = run_all(runner, live, 640, 100)  # slices end mid-block: carried heads
@@ -398,7 +395,7 @@ def test_one_token_slices_on_a_sliding_window_interrupt_cleanly(
     models: dict[str, LoadedModel],
 ) -> None:
     handle = WindowedModel(models["llama"], 32, 2)
-    prompt = tokens(200, seed=8)
+    prompt = byte_tokens(200, seed=8)
     runner = SliceRunner(handle, BLOCK)
     live = runner.begin(prompt)
     run_all(runner, live, 100, 50)
@@ -420,16 +417,16 @@ def test_runs_on_the_model_stream_when_the_host_gives_one(models: dict[str, Load
     inner = models["llama"]
     handle = LoadedModel(inner.model_id, inner.model, stream=mx.new_stream(mx.cpu))
     runner = SliceRunner(handle, BLOCK)
-    on_stream = runner.advance(runner.begin(tokens(200)), 200).blocks
+    on_stream = runner.advance(runner.begin(byte_tokens(200)), 200).blocks
     plain = SliceRunner(inner, BLOCK)
-    assert_blocks_equal(on_stream, plain.advance(plain.begin(tokens(200)), 200).blocks)
+    assert_blocks_equal(on_stream, plain.advance(plain.begin(byte_tokens(200)), 200).blocks)
 
 
 def test_discard_is_idempotent_and_a_discarded_job_cannot_advance(
     models: dict[str, LoadedModel],
 ) -> None:
     runner = SliceRunner(models["llama"], BLOCK)
-    live = runner.begin(tokens(100))
+    live = runner.begin(byte_tokens(100))
     runner.advance(live, 64)
     runner.discard(live)
     runner.discard(live)
@@ -440,7 +437,7 @@ def test_discard_is_idempotent_and_a_discarded_job_cannot_advance(
 
 def test_slice_bounds_and_prefix_shape_are_checked(models: dict[str, LoadedModel]) -> None:
     runner = SliceRunner(models["llama"], BLOCK)
-    live = runner.begin(tokens(100))
+    live = runner.begin(byte_tokens(100))
     empty = runner.advance(live, 0)
     assert (empty.blocks, empty.tokens_run, empty.interrupted) == ([], 0, False)
     with pytest.raises(ValueError):
@@ -449,7 +446,7 @@ def test_slice_bounds_and_prefix_shape_are_checked(models: dict[str, LoadedModel
     with pytest.raises(ValueError):
         runner.advance(live, 49)
     with pytest.raises(ValueError):
-        runner.begin(tokens(100), FetchedPrefix(tokens=32, blocks=()))
+        runner.begin(byte_tokens(100), FetchedPrefix(tokens=32, blocks=()))
     with pytest.raises(ValueError):
         SliceRunner(models["llama"], 0)
 
@@ -465,11 +462,11 @@ def test_a_model_with_unsupported_caches_is_refused_at_begin(
 
     runner = SliceRunner(Quantized(models["llama"], 64, 0), BLOCK)
     with pytest.raises(UnsupportedCacheError):
-        runner.begin(tokens(100))
+        runner.begin(byte_tokens(100))
 
 
 def test_the_clock_is_injected(models: dict[str, LoadedModel]) -> None:
     ticks = iter([10.0, 12.5])
     runner = SliceRunner(models["llama"], BLOCK, clock=lambda: next(ticks))
-    out = runner.advance(runner.begin(tokens(80)), 80)
+    out = runner.advance(runner.begin(byte_tokens(80)), 80)
     assert out.seconds == 2.5

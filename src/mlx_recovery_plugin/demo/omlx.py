@@ -29,52 +29,17 @@ from ..recovery.plugin import RecoveryPlugin
 from ..settings import RecoverySettings
 from ..testing.omlx_host import make_request
 from .arms import ServeConfig, VirtualClock, arm_recovery_plugin
-from .report import ArmResult, TurnResult
+from .report import ARMS, ArmResult, TurnResult
 
-ARMS = ("sparse_off", "sparse_on", "sparse_recovery")
 # Steps one turn may take before the session gives up on it (a stuck host).
 _MAX_STEPS_PER_TURN = 100_000
-
-
-@dataclass(slots=True, frozen=True)
-class OmlxServeConfig:
-    """Scheduler and plugin settings shared by every arm."""
-
-    model_id: str = "tiny"
-    block_size: int = 256
-    prefill_step: int = 256
-    sparse_threshold: int = 1024
-    sparse_keep: float = 0.2
-    max_tokens: int = 4
-    budget_pct: float = 50.0
-    budget_window_s: float = 10.0
-    slice_tokens: int | None = None
-    think_time_s: float = 30.0
-    max_cache_blocks: int = 4096
-
-
-def config_from_demo(serve: ServeConfig, think_time_s: float) -> OmlxServeConfig:
-    """The demo's serving settings, for the oMLX arms."""
-    return OmlxServeConfig(
-        model_id=serve.model_id,
-        block_size=serve.block_size,
-        prefill_step=serve.prefill_step,
-        sparse_threshold=serve.sparse_threshold,
-        sparse_keep=serve.sparse_keep,
-        max_tokens=serve.max_tokens,
-        budget_pct=serve.budget_pct,
-        budget_window_s=serve.budget_window_s,
-        slice_tokens=serve.slice_tokens,
-        think_time_s=think_time_s,
-        max_cache_blocks=serve.pool_blocks,
-    )
 
 
 def make_scheduler(
     model: Any,
     tokenizer: Any,
     cache_dir: str | Path,
-    config: OmlxServeConfig,
+    config: ServeConfig,
     draft: Any | None = None,
 ) -> Any:
     """A real oMLX scheduler with its prefix cache on (in ``cache_dir``)."""
@@ -88,8 +53,8 @@ def make_scheduler(
             paged_cache_block_size=config.block_size,
             paged_ssd_cache_dir=str(cache_dir),
             prefill_step_size=config.prefill_step,
-            max_cache_blocks=config.max_cache_blocks,
-            initial_cache_blocks=min(256, config.max_cache_blocks),
+            max_cache_blocks=config.pool_blocks,
+            initial_cache_blocks=min(256, config.pool_blocks),
         ),
     )
     if draft is not None:
@@ -177,7 +142,7 @@ class OmlxArm:
         model: Any,
         tokenizer: Any,
         draft: Any,
-        config: OmlxServeConfig,
+        config: ServeConfig,
         cache_dir: str | Path,
     ) -> None:
         if arm not in ARMS:
@@ -257,13 +222,14 @@ def run_omlx_session(
     draft: Any,
     prompts: Sequence[Sequence[int]],
     *,
-    config: OmlxServeConfig = OmlxServeConfig(),
+    config: ServeConfig,
+    think_time_s: float,
     arms: Sequence[str] = ARMS,
     cache_root: str | Path | None = None,
 ) -> dict[str, ArmResult]:
     """Serve ``prompts`` (an append-only session, one prompt per turn) in every arm,
-    alternating arms turn by turn, with ``config.think_time_s`` of idle time after each
-    turn. Returns each arm's per-turn cached tokens and time to first token."""
+    alternating arms turn by turn, with ``think_time_s`` of idle time after each turn.
+    Returns each arm's per-turn cached tokens and time to first token."""
     with tempfile.TemporaryDirectory(prefix="omlx-session-", dir=cache_root) as root:
         sessions = [
             OmlxArm(arm, model, tokenizer, draft, config, Path(root) / arm) for arm in arms
@@ -273,7 +239,7 @@ def run_omlx_session(
                 for session in sessions:
                     session.serve(prompt, turn)
                 for session in sessions:
-                    session.think(config.think_time_s)
+                    session.think(think_time_s)
         finally:
             errors = []
             for session in sessions:
@@ -296,20 +262,22 @@ def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
     say = progress or (lambda line: None)
     models = prepare_models(demo_config)
     turns = build_session(demo_config.session, text_encoder(models.tokenizer))
-    config = config_from_demo(demo_config.serve, demo_config.session.think_time_s)
+    config = demo_config.serve
+    think_time_s = demo_config.session.think_time_s
     report = DemoReport(
         model=demo_config.model_path or demo_config.serve.model_id,
         host="omlx",
         blas=describe(),
         block_size=config.block_size,
         sparse_threshold=config.sparse_threshold,
-        think_time_s=config.think_time_s,
+        think_time_s=think_time_s,
         budget_pct=config.budget_pct,
     )
     for repeat in range(demo_config.repeats):
         say(f"[{repeat + 1}/{demo_config.repeats}] serving {len(turns)} turns on the oMLX scheduler, three arms")
         results = run_omlx_session(
-            models.model, models.tokenizer, models.draft, [t.prompt for t in turns], config=config
+            models.model, models.tokenizer, models.draft, [t.prompt for t in turns],
+            config=config, think_time_s=think_time_s,
         )
         report.repeats.append(results)
     return report

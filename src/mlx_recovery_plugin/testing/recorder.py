@@ -148,6 +148,11 @@ def contract_tokens(n: int, seed: int = 0) -> list[int]:
     return [(seed * 97 + 13 + i * 31 + (i * i) % 7) % 256 for i in range(n)]
 
 
+def byte_tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` deterministic byte token ids (a stand-in for text)."""
+    return [(seed * 131 + i * 37 + (i * i) % 11) % 256 for i in range(n)]
+
+
 def stored_tokens(host: ContractHost, tokens: Sequence[int]) -> int:
     """How much of ``tokens`` the host's prefix cache restores, through its own fetch and
     release (the references of the probe are given back)."""
