@@ -5,6 +5,7 @@ first, and reset or unload in the middle of recovery leaves no block reference b
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -301,10 +302,13 @@ def test_the_sparse_route_report_carries_oMLX_threshold_keep_and_prefill_time(mo
         model, tokenizer, draft, block_size=BLOCK, sparse_threshold=THRESHOLD, sparse_keep=0.3,
         plugins=[recorder], model_id="tiny-route",
     ) as host:
-        rid = host.submit(contract_tokens(6 * BLOCK, seed=21), max_tokens=3, sparse=True)
+        started = time.perf_counter()
+        rid = host.submit(contract_tokens(24 * BLOCK, seed=21), max_tokens=1, sparse=True)
         host.run_until_idle()
+        whole = time.perf_counter() - started
         assert host.result(rid).output_tokens
     (served,) = [e.payload for e in recorder.snapshot() if e.hook == "sparse_route_served"]
     assert served.threshold == THRESHOLD
     assert served.keep == pytest.approx(0.3)
-    assert served.prefill_s is not None and 0 < served.prefill_s < WAIT_S
+    # oMLX prefills inside admission: timed from after it, the figure was a few ms.
+    assert served.prefill_s is not None and 0.5 * whole < served.prefill_s <= whole

@@ -55,8 +55,9 @@ class SparseRouteServed:
     ``tokens`` is the whole prompt; ``served_start`` is where the host's reusable prefix
     ended when the request was admitted. What the host knows of its route, where it can
     tell: ``threshold``, the uncached tokens above which it takes the sparse route;
-    ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds from
-    admission to the first token. Recovery uses them to judge whether publishing pays.
+    ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds from the
+    request's arrival to its first token (its time to first token on the sparse route).
+    Recovery uses them to judge whether publishing pays.
     """
 
     engine_id: str

@@ -449,7 +449,6 @@ class MockEngine:
         if self._wants_sparse(req, prefix.tokens):
             assert self.draft is not None
             req.route, req.phase = "sparse", SCORING
-            req.admitted_at = self.clock()
             req.feed = uncached
             req.draft_cache = self.draft.make_cache()
             self._sparse_live = True
@@ -508,8 +507,7 @@ class MockEngine:
         req.feed = []
         req.first_logits = last
         req.output.append(int(mx.argmax(last).item()))
-        now = self.clock()
-        req.ttft_s = now - req.submitted_at
+        req.ttft_s = self.clock() - req.submitted_at
         if req.route == "dense":
             self._store_prompt(req)
         else:
@@ -518,7 +516,7 @@ class MockEngine:
                     self.engine_id, req.request_id, self.model_id, req.prompt,
                     served_start=req.cached_tokens, served_end=len(req.prompt),
                     threshold=self.sparse_threshold, keep=self.sparse_keep,
-                    prefill_s=now - req.admitted_at if req.admitted_at is not None else None,
+                    prefill_s=req.ttft_s,
                 )
             )
         req.phase = DECODE

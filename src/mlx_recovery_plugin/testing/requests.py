@@ -74,7 +74,6 @@ class EngineRequest:
     reason: DepartureReason | None = None
     prefilled_tokens: int = 0
     draft_tokens: int = 0
-    admitted_at: float | None = None
 
     def result(self, engine_id: str) -> RequestResult:
         return RequestResult(

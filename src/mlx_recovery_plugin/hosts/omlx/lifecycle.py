@@ -42,7 +42,7 @@ class LiveRequest:
 
     in_scheduler: bool = False
     admitted: bool = False
-    admitted_at: float | None = None
+    arrived_at: float | None = None
     first_token_at: float | None = None
 
 
@@ -162,7 +162,7 @@ class Lifecycle:
             if live is not None:
                 live.in_scheduler = live.in_scheduler or in_scheduler
                 return False
-            record.live[request_id] = LiveRequest(in_scheduler=in_scheduler)
+            record.live[request_id] = LiveRequest(in_scheduler=in_scheduler, arrived_at=self._clock())
         record.driver.note_work()
         self.emitter.request_arrived(
             RequestArrived(
@@ -207,7 +207,6 @@ class Lifecycle:
                 if live is None or live.admitted:
                     continue
                 live.admitted = True
-                live.admitted_at = self._clock()
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(
@@ -224,8 +223,10 @@ class Lifecycle:
         threshold, keep = sparse_route_settings(request)
         with record.lock:
             live = record.live.get(request_id)
-            began = live.admitted_at if live is not None else None
+            began = live.arrived_at if live is not None else None
             first = live.first_token_at if live is not None else None
+        if first is None:
+            first = self._clock()  # it finished in the step that made its first token
         return SparseRouteServed(
             engine_id=record.engine_id,
             request_id=request_id,
