@@ -338,18 +338,7 @@ def test_any_slice_lengths_keep_the_share_within_cap_plus_one_slice(
     budget = Budget(pct, window_s, clock=clock)
     allowance = window_s * pct / 100.0
     start = clock.now
-    end = start + 40 * max(window_s, max(lengths))
-    n = 0
-    while clock.now < end:
-        if budget.available():
-            length = lengths[n % len(lengths)]
-            n += 1
-            clock.advance(length)
-            budget.charge(length)
-        else:
-            wait = budget.seconds_until_available()
-            assert 0 < wait < math.inf
-            clock.advance(wait)
+    simulate(budget, clock, lengths, windows=math.ceil(40 * max(window_s, max(lengths)) / window_s))
     elapsed = clock.now - start
     assert budget.share_used() <= pct / 100.0 + (allowance + max(lengths)) / elapsed + 1e-9
 
