@@ -64,3 +64,30 @@ def test_a_missing_optional_dependency_costs_only_its_subcommand(monkeypatch: py
     monkeypatch.setattr(cli, "BENCH_MODULES", (*cli.BENCH_MODULES, "needs_missing_dep"))
     parser = cli.build_parser()
     assert parser.parse_args(["bench", "adopter"]).suite == "adopter", "the other benches stay"
+
+
+class _Reexec(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo"], ["bench", "runner"], ["bench", "budget"], ["bench", "interference"],
+     ["bench", "efficiency"], ["bench", "server"]],
+)
+def test_the_demo_and_every_model_bench_re_run_under_openblas_before_any_work(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One convention: each goes through blas.maybe_reexec first (a bench that called the
+    old form crashed only when run)."""
+    from mlx_recovery_plugin.runner import blas
+
+    def reexec(command: object = None, *, mode: object = None) -> None:  # the real signature
+        raise _Reexec(argv)
+
+    monkeypatch.setattr(blas, "reexec_with_openblas", reexec)
+    try:
+        with pytest.raises(_Reexec):
+            main(argv)
+    except SystemExit as exc:  # a subcommand missing in this environment
+        pytest.skip(f"{argv} is not available here: {exc}")

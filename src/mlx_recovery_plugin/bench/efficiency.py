@@ -26,6 +26,7 @@ import mlx.core as mx
 from ..demo.arms import VirtualClock
 from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
+from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
@@ -153,10 +154,7 @@ def format_rows(rows: Sequence[EfficiencyRow]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not args.no_openblas:
-        from ..runner.blas import reexec_with_openblas
-
-        reexec_with_openblas("mlx_recovery_plugin.cli", sys.argv[1:])
+    maybe_reexec(args)
     budgets = tuple((float(p), float(w)) for p, w in (spec.split("/") for spec in args.budgets))
     rows = run_efficiency_bench(
         budgets, tokens=args.tokens, block_size=args.block, slice_tokens=args.slice_tokens,
@@ -174,5 +172,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block", type=int, default=256, help="cache block size")
     p.add_argument("--slice-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--no-openblas", action="store_true", help="do not re-run under the system OpenBLAS")
+    add_openblas_flag(p)
     p.set_defaults(func=_run)
