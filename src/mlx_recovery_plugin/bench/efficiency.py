@@ -30,6 +30,7 @@ from ..runner.blas import add_openblas_flag, maybe_reexec
 from ..settings import ModelSettings, RecoverySettings
 from ..testing.host import MockHost
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
+from .runner import BenchHandle, plain_prefill
 from .stats import Spread, spread
 
 MODEL_ID = "bench-efficiency"
@@ -51,14 +52,10 @@ class EfficiencyRow:
 
 
 def plain_prefill_rate(model: Any, tokens: Sequence[int], chunk: int) -> float:
-    """Tokens per second of mlx-lm's own chunked prefill of ``tokens``."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
+    """Tokens per second of mlx-lm's own chunked prefill of ``tokens`` (cache only, as a
+    host's prefill evaluates it)."""
     started = time.perf_counter()
-    for i in range(0, len(tokens), chunk):
-        logits = model(mx.array(tokens[i : i + chunk])[None], cache=cache)
-        mx.eval(logits, [c.state for c in cache])
+    plain_prefill(BenchHandle(MODEL_ID, model), tokens, chunk)
     return len(tokens) / (time.perf_counter() - started)
 
 
