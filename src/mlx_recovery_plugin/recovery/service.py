@@ -449,16 +449,16 @@ class EngineRecovery:
         """Publish the held blocks and ``blocks`` when the policy says the prefix pays,
         else keep them held (or stand the job down). False after a publication fault."""
         with self._lock:
-            pending = [*job.held, *blocks]
-        boundary = job.committed + sum(1 for b in pending if b.index * self.block_size >= job.committed) * self.block_size
-        decision = self.judge.judge(job, boundary)
+            # Blocks the host restores by itself by now (it may have stored them) drop out.
+            pending = [b for b in (*job.held, *blocks) if b.index * self.block_size >= job.committed]
+        decision = self.judge.judge(job, job.committed + len(pending) * self.block_size)
         if decision.verdict is Verdict.PUBLISH:
             with self._lock:
                 job.held = []
             return self._publish(job, pending)
         with self._lock:
             if decision.verdict is Verdict.HOLD:
-                job.held = [b for b in pending if b.index * self.block_size >= job.committed]
+                job.held = pending
                 self.counters.slices_held += 1
             else:
                 self._stand_down_locked(job, decision.reason)
