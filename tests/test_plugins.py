@@ -156,3 +156,44 @@ def test_a_misspelt_hook_name_is_logged_and_never_raises_into_the_host(caplog: p
     assert "no hook named 'request_arived'" in caplog.text
     emitter.request_arrived(_arrival("r2"))  # the typed call reaches the plugin
     assert recorder.seen == ["r2"]
+
+
+class Exiting:
+    @hookimpl
+    def request_arrived(self, event: RequestArrived) -> None:
+        raise SystemExit(3)
+
+
+def test_a_plugin_raising_system_exit_never_reaches_the_host_and_the_others_still_run() -> None:
+    recorder = Recorder()
+    pm = make_plugin_manager([recorder, Exiting()], settings=RecoverySettings(), entry_points_too=False)
+    emitter = HookEmitter(pm)
+    emitter.request_arrived(_arrival("r1"))  # Exiting runs first (last registered)
+    assert recorder.seen == ["r1"]
+    assert emitter.errors == 1
+
+
+def test_a_keyboard_interrupt_still_stops_the_process() -> None:
+    class Interrupting:
+        @hookimpl
+        def request_arrived(self, event: RequestArrived) -> None:
+            raise KeyboardInterrupt
+
+    emitter = HookEmitter(make_plugin_manager([Interrupting()], settings=RecoverySettings(), entry_points_too=False))
+    with pytest.raises(KeyboardInterrupt):
+        emitter.request_arrived(_arrival("r1"))
+
+
+def test_a_plugin_that_exits_while_loading_is_reported_and_the_rest_load(fake_plugins_module: str) -> None:
+    module = sys.modules[fake_plugins_module]
+
+    class ExitingFactory:
+        def __init__(self) -> None:
+            raise SystemExit("plugin called sys.exit while starting")
+
+    module.ExitingFactory = ExitingFactory  # type: ignore[attr-defined]
+    pm = new_plugin_manager()
+    eps = [_ep("good", f"{fake_plugins_module}:Recorder"), _ep("exits", f"{fake_plugins_module}:ExitingFactory")]
+    report = load_entry_point_plugins(pm, RecoverySettings(), eps=eps)
+    assert report.loaded == ["good"]
+    assert report.failed["exits"].startswith("SystemExit")

@@ -7,7 +7,8 @@ instantiated with no arguments. A plugin that fails to import, or that implement
 with no spec, is logged and skipped; the rest load.
 
 Hosts call hooks through :class:`HookEmitter`, which isolates each implementation: one
-that raises is logged once and skipped, and the host's step never sees the exception.
+that raises (anything but ``KeyboardInterrupt``, ``SystemExit`` included) is logged once
+and skipped, the others still run, and the host's step never sees the exception.
 Because it calls implementations one at a time, it cannot run pluggy hook wrappers: a
 plugin that brings one is refused at registration, never silently left uncalled.
 """
@@ -111,7 +112,9 @@ def load_entry_point_plugins(
             continue
         try:
             register_checked(pm, _instantiate(ep.load()), name=ep.name)
-        except Exception as exc:  # noqa: BLE001 - any plugin bug must stay contained
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a plugin's SystemExit too must stay contained
             log.warning("mlx-recovery: plugin %r not loaded: %s", ep.name, exc)
             report.failed[ep.name] = f"{type(exc).__name__}: {exc}"
             continue
@@ -210,7 +213,9 @@ class HookEmitter:
         for impl in reversed(caller.get_hookimpls()):
             try:
                 result = impl.function(*(kwargs[name] for name in impl.argnames))
-            except Exception as exc:  # noqa: BLE001 - never raise into the host's step
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - never into the host's step, SystemExit included
                 self._report(impl.plugin_name, hook_name, exc)
                 continue
             if result is not None:
@@ -223,7 +228,7 @@ class HookEmitter:
         results = self.emit(hook_name, **kwargs)
         return results[0] if results else None
 
-    def _report(self, plugin: str, hook: str, exc: Exception) -> None:
+    def _report(self, plugin: str, hook: str, exc: BaseException) -> None:
         key = (plugin, hook, type(exc).__name__)
         with self._lock:
             self.errors += 1
