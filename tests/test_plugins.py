@@ -197,3 +197,13 @@ def test_a_plugin_that_exits_while_loading_is_reported_and_the_rest_load(fake_pl
     report = load_entry_point_plugins(pm, RecoverySettings(), eps=eps)
     assert report.loaded == ["good"]
     assert report.failed["exits"].startswith("SystemExit")
+
+
+def test_a_plugin_list_entry_that_names_no_plugin_is_warned_about(
+    fake_plugins_module: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    eps = [_ep("recovery", f"{fake_plugins_module}:Recorder")]
+    with caplog.at_level(logging.WARNING):
+        report = load_entry_point_plugins(new_plugin_manager(), RecoverySettings(plugins="recovry"), eps=eps)
+    assert report.loaded == []
+    assert "MLX_RECOVERY_PLUGINS names 'recovry', which is no installed plugin (installed: recovery)" in caplog.text

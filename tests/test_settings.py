@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from mlx_recovery_plugin.settings import (
@@ -117,4 +119,28 @@ def test_trim_keep_fraction_reaches_the_adopter(monkeypatch: pytest.MonkeyPatch)
     assert AdopterPlugin().trim_keep_fraction == 0.25
     monkeypatch.setenv("MLX_RECOVERY_ADOPTER_TRIM_KEEP_FRACTION", "1.5")
     with pytest.raises(SettingsError, match="MLX_RECOVERY_ADOPTER_TRIM_KEEP_FRACTION"):
+        load_settings()
+
+
+def test_a_misspelt_variable_is_named_with_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUGDET_PCT", "50")
+    with caplog.at_level(logging.WARNING, logger="mlx_recovery_plugin.settings"):
+        settings = load_settings()
+    assert settings.budget_pct == 0.0
+    assert "MLX_RECOVERY_BUGDET_PCT is not a setting and is ignored; did you mean MLX_RECOVERY_BUDGET_PCT?" in caplog.text
+
+
+def test_known_variables_raise_no_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_PCT", "5")
+    monkeypatch.setenv("MLX_RECOVERY_OPENBLAS", "off")
+    with caplog.at_level(logging.WARNING, logger="mlx_recovery_plugin.settings"):
+        load_settings()
+    assert "is not a setting" not in caplog.text
+
+
+def test_duplicate_model_keys_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"m": {"enabled": true}, "m": {"enabled": false}}')
+    with pytest.raises(SettingsError, match="MLX_RECOVERY_MODELS: duplicate keys 'm'"):
         load_settings()

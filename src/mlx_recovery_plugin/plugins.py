@@ -37,7 +37,7 @@ from .events import (
 )
 from .hookspecs import PROJECT_NAME
 from .ports import EnginePort
-from .settings import RecoverySettings, load_settings
+from .settings import RecoverySettings, env_name, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,14 @@ def load_entry_point_plugins(
     """Register every plugin of the entry-point group that the allow / block lists let in."""
     report = LoadReport()
     allow, block = settings.plugin_allow_list, settings.plugin_block_list
-    found = entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps
+    found = list(entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps)
+    names = {ep.name for ep in found}
+    for listed, variable in ((allow, env_name("plugins")), (block, env_name("disable_plugins"))):
+        for name in sorted(listed - names):
+            log.warning(
+                "mlx-recovery: %s names %r, which is no installed plugin (installed: %s)",
+                variable, name, ", ".join(sorted(names)) or "none",
+            )
     for ep in sorted(found, key=lambda e: e.name):
         if ep.name in block or (allow and ep.name not in allow):
             report.skipped.append(ep.name)

@@ -7,7 +7,9 @@ allowed range; nothing starts half-configured.
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -17,7 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = "MLX_RECOVERY_"
+# Variables of this prefix that are not settings: the OpenBLAS re-run of the demo and the
+# benches (runner/blas.py) reads the first, and marks its child process with the second.
+OPENBLAS_VARIABLE = "MLX_RECOVERY_OPENBLAS"
+OPENBLAS_REEXEC_VARIABLE = "MLX_RECOVERY_OPENBLAS_REEXEC"
 
 
 class AdoptMode(str, Enum):
@@ -162,13 +170,52 @@ def load_settings() -> RecoverySettings:
 
     Raises one :class:`SettingsError` that lists every bad variable.
     """
+    _refuse_duplicate_model_keys()
     try:
-        return RecoverySettings()
+        settings = RecoverySettings()
     except PydanticSettingsError as exc:
         # pydantic-settings decodes JSON-valued variables before validation.
         raise SettingsError(f"{env_name('models')}: not valid JSON ({exc.__cause__ or exc})") from None
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from None
+    _warn_unknown_variables()
+    return settings
+
+
+def known_variables() -> frozenset[str]:
+    """Every ``MLX_RECOVERY_*`` name this package reads."""
+    fields = {env_name(name) for name in RecoverySettings.model_fields}
+    return frozenset(fields | {OPENBLAS_VARIABLE, OPENBLAS_REEXEC_VARIABLE})
+
+
+def _warn_unknown_variables() -> None:
+    """A misspelt variable would be ignored without a word: say so, with the closest name."""
+    known = known_variables()
+    for name in sorted(k.upper() for k in os.environ if k.upper().startswith(ENV_PREFIX)):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            log.warning("mlx-recovery: %s is not a setting and is ignored%s", name, hint)
+
+
+def _refuse_duplicate_model_keys() -> None:
+    """JSON objects keep the last of two equal keys; for model opt-ins that hides a typo."""
+    name = env_name("models")
+    raw = next((v for k, v in os.environ.items() if k.upper() == name), "").strip()
+    if not raw:
+        return
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise SettingsError(f"{name}: duplicate keys {', '.join(map(repr, repeated))}")
+        return dict(pairs)
+
+    try:
+        json.loads(raw, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError:
+        return  # reported as invalid JSON by the settings themselves
 
 
 def _describe(exc: ValidationError) -> str:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..settings import OPENBLAS_REEXEC_VARIABLE, OPENBLAS_VARIABLE
+
 log = logging.getLogger(__name__)
 
 OPENBLAS_CANDIDATES = (
@@ -159,8 +161,8 @@ def preload_env(path: str, env: dict[str, str] | None = None) -> dict[str, str]:
 # asks for, on LD_LIBRARY_PATH, lets the wheel's OpenBLAS be preloaded with no system
 # package at all.
 
-REEXEC_MARKER = "MLX_RECOVERY_OPENBLAS_REEXEC"
-OPENBLAS_ENV = "MLX_RECOVERY_OPENBLAS"
+REEXEC_MARKER = OPENBLAS_REEXEC_VARIABLE
+OPENBLAS_ENV = OPENBLAS_VARIABLE
 OPENBLAS_MODES = ("auto", "system", "wheel", "off")
 WHEEL_HINT = "pip install 'mlx-recovery-plugin[openblas]'"
 
