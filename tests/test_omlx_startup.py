@@ -147,3 +147,32 @@ def test_install_is_a_no_op_unless_enabled() -> None:
     assert enabled({"MLX_RECOVERY_ENABLE": " Yes "})
     assert install({}) is None
     assert startup._finder is None
+
+
+def test_enabled_but_no_host_imported_loads_no_mlx_and_no_settings() -> None:
+    got = run_python(
+        """
+        print(json.dumps({
+            "mlx": "mlx.core" in sys.modules,
+            "pydantic": "pydantic" in sys.modules,
+            "finders": [type(f).__name__ for f in sys.meta_path],
+        }))
+        """,
+        MLX_RECOVERY_ENABLE="1",
+    )
+    assert got["mlx"] is False and got["pydantic"] is False
+    assert "PostImportFinder" in got["finders"]
+
+
+def test_a_failing_hook_import_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    broken = tmp_path / "mlx_recovery_plugin"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('pluggy is missing')\n")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RECOVERY_")}
+    environ.update(MLX_RECOVERY_ENABLE="1", PYTHONPATH=str(tmp_path))
+    code = f"import site\nsite.addsitedir({str(HOOKS_DIR)!r})\nprint('started')\n"
+    # -S: only the hooks/ copy of the line runs, not one installed in site-packages.
+    done = subprocess.run([sys.executable, "-S", "-c", code], env=environ, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "started"
+    assert "Traceback" not in done.stderr and "Error processing line" not in done.stderr
+    assert done.stderr.strip() == "mlx-recovery: start-up hook not installed: ImportError('pluggy is missing')"

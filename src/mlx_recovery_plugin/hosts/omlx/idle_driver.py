@@ -29,8 +29,6 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
 
-import mlx.core as mx
-
 from ...events import IdleStep
 
 log = logging.getLogger(__name__)
@@ -111,7 +109,7 @@ class IdleDriver:
             count = self.next_count()
             self.offered += 1
             try:
-                with mx.stream(stream) if stream is not None else nullcontext():
+                with _on_stream(stream):
                     results = emit(IdleStep(engine_id=engine_id, consecutive=count))
             except Exception as exc:  # noqa: BLE001 - the host's step must never see it
                 log.error("mlx-recovery: idle step on %s failed: %r", engine_id, exc)
@@ -154,3 +152,12 @@ class IdleDriver:
                 "consecutive": self.consecutive,
                 "offered": self.offered,
             }
+
+
+def _on_stream(stream: Any) -> Any:
+    """``mx.stream(stream)``; MLX is imported here, not when the start-up hook loads us."""
+    if stream is None:
+        return nullcontext()
+    import mlx.core as mx
+
+    return mx.stream(stream)

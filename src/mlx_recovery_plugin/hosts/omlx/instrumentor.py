@@ -44,14 +44,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from ...plugins import HookEmitter, get_plugin_manager
 from .lifecycle import Lifecycle
-from .ports import OmlxEngine
 from .wrappers import FACTORIES
+
+if TYPE_CHECKING:
+    from .ports import OmlxEngine
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class OmlxInstrumentor:
             if missing:
                 log.warning("mlx-recovery: oMLX %s lacks %s; not attaching", version, ", ".join(missing))
                 return False
+            from ...plugins import HookEmitter, get_plugin_manager
+
             emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
             self._life = Lifecycle(emitter, self._clock, self._accept)
             self.version = version

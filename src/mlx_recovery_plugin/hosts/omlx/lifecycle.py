@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...events import (
     DepartureReason,
@@ -28,9 +28,11 @@ from ...events import (
     RequestDeparted,
     SparseRouteServed,
 )
-from ...plugins import HookEmitter
 from .idle_driver import IdleDriver
-from .ports import OmlxEngine, model_id_of
+
+if TYPE_CHECKING:  # both pull MLX in; the start-up hook loads this module before oMLX
+    from ...plugins import HookEmitter
+    from .ports import OmlxEngine
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class Lifecycle:
         return record
 
     def _new_record(self, scheduler: Any) -> EngineRecord:
+        from .ports import OmlxEngine, model_id_of
+
         engine_id = self._engine_ids.get(scheduler) or (
             f"omlx-{model_id_of(scheduler)}-{next(self._counter)}"
         )
