@@ -155,6 +155,33 @@ def test_release_gives_back_every_fetch_of_a_holder_and_is_idempotent(
     assert not [t for t in scheduler.block_aware_cache.paged_cache.request_tables if "holder" in t]
 
 
+def test_a_release_that_fails_part_way_keeps_the_rest_for_the_next_call(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = contract_tokens(2 * BLOCK, seed=6)
+    engine.prefix_cache.store("job", tokens, dense_blocks(models[0], tokens, 2))
+    engine.prefix_cache.fetch("holder", tokens)
+    engine.prefix_cache.fetch("holder", tokens[:BLOCK])
+    pool = scheduler.block_aware_cache.paged_cache
+    real = pool.release_for_eviction
+    calls = []
+
+    def fail_second(block_ids: Any) -> Any:
+        calls.append(list(block_ids))
+        if len(calls) == 2:
+            raise RuntimeError("injected release failure")
+        return real(block_ids)
+
+    monkeypatch.setattr(pool, "release_for_eviction", fail_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.prefix_cache.release("holder")
+    assert held_references(scheduler) != {}, "the second fetch's blocks are still held"
+    assert engine.prefix_cache.holders() == ["holder"]
+    engine.prefix_cache.release("holder")  # the retry gives back only what is left
+    assert held_references(scheduler) == {}
+    assert engine.prefix_cache.holders() == []
+
+
 def test_a_release_after_a_reset_leaves_the_new_cache_alone(
     engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
 ) -> None:

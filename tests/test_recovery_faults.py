@@ -90,7 +90,16 @@ def install_cache_faults(cache: Any, injector: Injector) -> None:
             return injector.fail(real_store, holder, tokens, blocks)
         return real_store(holder, tokens, blocks)
 
-    cache.fetch, cache.store = fetch, store
+    real_release = cache.release
+
+    def release(holder: str) -> None:
+        if holder.startswith("mlx-recovery:"):
+            point = "probe_release" if ":probe:" in holder else "release"
+            if injector.hit(point):
+                return injector.fail(real_release, holder)
+        return real_release(holder)
+
+    cache.fetch, cache.store, cache.release = fetch, store, release
 
 
 def fetch_then_raise(real_fetch: Callable[..., Any], holder: str, tokens: Sequence[int]) -> Any:
@@ -266,3 +275,67 @@ def test_a_job_failing_every_time_is_dropped_after_its_attempts(loaded, clean) -
     assert status["jobs"] == [] and status["counters"]["jobs_dropped"] == 1
     assert status["counters"]["faults"]["runner_error"] == 5
     run.plugin.close()
+
+
+def release_fails(real_release: Callable[..., Any], holder: str) -> None:
+    raise RuntimeError("release failed")
+
+
+@pytest.mark.parametrize("point", ["probe_release", "release"])
+def test_a_failed_release_is_retried_and_costs_neither_the_job_nor_the_references(loaded, point) -> None:
+    """The probe's read-back succeeded, only giving its references back failed: the job
+    keeps what it committed, the fault is counted as a release error, and the next idle
+    step gives the references back."""
+    run = session(loaded, Injector(point, 1, release_fails))
+    status = run.plugin.status()["engines"]["e"]
+    assert status["counters"]["faults"] == {"release_error": 1}
+    assert status["counters"]["jobs_dropped"] == 0
+    assert status["unreleased_holders"] == 0, "retried on a later idle step"
+    assert run.host.result("e-2").cached_tokens == 512, "the recovered prefix still served the turn"
+    run.plugin.close()
+    assert run.host.leaked() == {}
+
+
+def test_references_of_a_failed_release_stay_held_until_retried(loaded) -> None:
+    held: dict[str, Any] = {}
+
+    def idle_once(host: MockHost, clock: FakeClock) -> None:
+        engine = host.engines["e"]
+        engine.offer_idle_step()  # no slice yet: idle steps 1 of 2
+        engine.offer_idle_step()  # the first slice: publication, its probe's release fails
+        held["after"] = {h for h in engine.prefix_cache.holders if h.startswith("mlx-recovery:")}
+        held["status"] = run_status(host)
+        host.drive_idle()
+
+    def run_status(host: MockHost) -> dict[str, Any]:
+        return plugin_of(host).status()["engines"]["e"]
+
+    def plugin_of(host: MockHost) -> RecoveryPlugin:
+        return next(p for p in host.pm.get_plugins() if isinstance(p, RecoveryPlugin))
+
+    run = session(loaded, Injector("probe_release", 1, release_fails), idle=idle_once)
+    assert len(held["after"]) == 1 and ":probe:" in next(iter(held["after"]))
+    assert held["status"]["unreleased_holders"] == 1
+    assert run.plugin.status()["engines"]["e"]["unreleased_holders"] == 0
+    run.plugin.close()
+    assert run.host.leaked() == {}
+
+
+def test_a_reset_gives_back_what_a_failed_release_held(loaded) -> None:
+    """Dropping every job (reset here; shutdown and unload take the same path) retries the
+    failed release at once, before any later idle step."""
+    seen: dict[str, Any] = {}
+
+    def idle_once(host: MockHost, clock: FakeClock) -> None:
+        engine = host.engines["e"]
+        engine.offer_idle_step()
+        engine.offer_idle_step()  # the probe's release fails here
+        seen["before"] = [h for h in engine.prefix_cache.holders if h.startswith("mlx-recovery:")]
+        engine.reset()
+        seen["after"] = [h for h in engine.prefix_cache.holders if h.startswith("mlx-recovery:")]
+
+    run = session(loaded, Injector("probe_release", 1, release_fails), idle=idle_once)
+    assert len(seen["before"]) == 1
+    assert seen["after"] == []
+    run.plugin.close()
+    assert run.host.leaked() == {}

@@ -13,7 +13,7 @@ method.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,19 +62,27 @@ class Publication:
     restored_tokens: int
 
 
+Release = Callable[[str], None]
+
+
 @contextmanager
-def fetched(cache: PrefixCachePort, holder_id: str, tokens: Sequence[int]) -> Iterator[FetchedPrefix]:
-    """Fetch through the host's path and give every reference back on the way out."""
+def fetched(
+    cache: PrefixCachePort, holder_id: str, tokens: Sequence[int], release: Release | None = None
+) -> Iterator[FetchedPrefix]:
+    """Fetch through the host's path and give every reference back on the way out
+    (through ``release``, default the cache's own, which may raise)."""
     try:
         yield cache.fetch(holder_id, tokens)
     finally:
-        cache.release(holder_id)
+        (release or cache.release)(holder_id)
 
 
-def probe_restorable(cache: PrefixCachePort, probe_id: str, tokens: Sequence[int]) -> int:
+def probe_restorable(
+    cache: PrefixCachePort, probe_id: str, tokens: Sequence[int], release: Release | None = None
+) -> int:
     """How many leading tokens of ``tokens`` the host restores now (its references are
     released before returning)."""
-    with fetched(cache, probe_id, tokens) as prefix:
+    with fetched(cache, probe_id, tokens, release) as prefix:
         return prefix.tokens
 
 
@@ -93,12 +101,15 @@ def publish(
     *,
     holder_id: str,
     probe_id: str,
+    release: Release | None = None,
 ) -> Publication:
     """Store ``blocks`` under ``job_tokens[:boundary]`` and read the prefix back.
 
     ``blocks`` are contiguous whole blocks ending at ``boundary``; the blocks before them
     must already be stored (the job's committed prefix). Raises :class:`PublicationError`
-    when the host cannot give back at least ``boundary`` tokens.
+    when the host cannot give back at least ``boundary`` tokens. ``release`` gives the
+    probe's references back; one that does not raise keeps a failed release from being
+    read as a failed read-back.
     """
     if not blocks:
         raise ValueError("nothing to publish")
@@ -120,7 +131,7 @@ def publish(
         raise StoreRefused(f"store holds {stored} of {boundary} published tokens")
 
     try:
-        restored = probe_restorable(cache, probe_id, lineage)
+        restored = probe_restorable(cache, probe_id, lineage, release)
     except Exception as exc:
         raise ProbeFetchError(f"read-back of {boundary} tokens failed: {exc!r}") from exc
     if restored < boundary:

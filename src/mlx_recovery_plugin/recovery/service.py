@@ -65,6 +65,8 @@ RETRY_S = 0.1
 PARK_BASE_S = 1.0
 PARK_MAX_S = 60.0
 PARK_MAX_ATTEMPTS = 5
+# How soon a holder whose release failed is tried again on an otherwise idle engine.
+RELEASE_RETRY_S = 1.0
 # How long a cancellation from another thread waits for a running slice to stop.
 CANCEL_WAIT_S = 2.0
 
@@ -156,6 +158,9 @@ class EngineRecovery:
         self._live_job: RecoveryJob | None = None
         self._live_end = 0
         self._live_offset: int | None = None  # mirrored under _lock for the status
+        # Holders whose release raised: their host references are retried on later idle
+        # steps and when the engine's jobs are dropped (shutdown, unload), never forgotten.
+        self._unreleased: list[str] = []
         self._holder_ids = itertools.count(1)
 
     # -- hooks (engine thread) -----------------------------------------------------
@@ -190,7 +195,7 @@ class EngineRecovery:
     def idle_step(self, consecutive: int) -> bool | float | None:
         """Run at most one slice. True: offer another idle step now; a float: ask again
         after that many seconds; None: nothing to do. Never raises."""
-        if self.closed or (len(self.book) == 0 and self._live is None):
+        if self.closed or (len(self.book) == 0 and self._live is None and not self._unreleased):
             return None
         if not self._work.acquire(blocking=False):
             return RETRY_S  # a cancellation from another thread is cleaning up
@@ -260,6 +265,8 @@ class EngineRecovery:
                 last_refusal=self.last_refusal,
                 counters=self.counters.copy(),
                 policy=policy,
+                # Owned by the engine thread; the length read here is a status figure only.
+                unreleased_holders=len(self._unreleased),
             )
 
     # -- the slice loop (engine thread, under _work) -------------------------------
@@ -268,12 +275,15 @@ class EngineRecovery:
         self._finish_cancel_if_pending()
         if self.closed:
             return None
+        self._retry_releases()
         now = self._clock()
         with self._lock:
             job = self.book.next_runnable(now)
             wait = self.book.seconds_until_unparked(now)
         if job is None:
             self._retire_live()
+            if self._unreleased:
+                wait = RELEASE_RETRY_S if wait is None else min(wait, RELEASE_RETRY_S)
             return _later(wait)
 
         cancel_gen, arrivals = self._cancel_gen, self._arrivals()
@@ -501,6 +511,7 @@ class EngineRecovery:
                 self.block_size,
                 holder_id=self._holder("store"),
                 probe_id=self._holder("probe"),
+                release=lambda holder: self._release(self.port.prefix_cache, holder),
             )
         except PublicationError as exc:
             log.warning("mlx-recovery: engine %s: publication failed: %s", self.engine_id, exc)
@@ -573,6 +584,7 @@ class EngineRecovery:
 
     def _drop_everything(self, reason: str) -> None:
         self._retire_live()
+        self._retry_releases()
         with self._lock:
             dropped = self.book.clear()
             self.counters.jobs_cancelled += len(dropped)
@@ -589,11 +601,33 @@ class EngineRecovery:
             self._drop_everything("cancelled")
 
     def _release(self, cache: Any, holder: str) -> None:
+        """Give ``holder``'s references back; a failure is counted and the holder kept
+        for :meth:`_retry_releases`. Never raises."""
         try:
             cache.release(holder)
-        except Exception as exc:  # noqa: BLE001 - count it; nothing else can be done
+        except Exception as exc:  # noqa: BLE001 - counted, and retried later
             log.error("mlx-recovery: engine %s: release(%s) failed: %r", self.engine_id, holder, exc)
             self._count_fault(RELEASE_ERROR)
+            if holder not in self._unreleased:
+                self._unreleased.append(holder)
+
+    def _retry_releases(self) -> None:
+        """Release again every holder whose release failed; keep those that still fail."""
+        if not self._unreleased:
+            return
+        try:
+            cache = self.port.prefix_cache
+        except Exception as exc:  # noqa: BLE001 - the host is going away
+            log.warning("mlx-recovery: engine %s: no cache to release into: %r", self.engine_id, exc)
+            return
+        still: list[str] = []
+        for holder in self._unreleased:
+            try:
+                cache.release(holder)
+            except Exception as exc:  # noqa: BLE001 - try again later
+                log.warning("mlx-recovery: engine %s: release(%s) failed again: %r", self.engine_id, holder, exc)
+                still.append(holder)
+        self._unreleased = still
 
     def _holder(self, kind: str) -> str:
         return f"{HOLDER_PREFIX}:{self.engine_id}:{kind}:{next(self._holder_ids)}"

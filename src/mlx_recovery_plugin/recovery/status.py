@@ -78,6 +78,7 @@ class EngineStatus:
     last_refusal: str | None
     counters: EngineCounters
     policy: dict[str, Any] = field(default_factory=dict)
+    unreleased_holders: int = 0
 
     @property
     def debt(self) -> int:

@@ -137,20 +137,26 @@ class OmlxPrefixCache:
         return FetchedPrefix(tokens=n_blocks * size, blocks=tuple(blocks))
 
     def release(self, holder_id: str) -> None:
+        """Give back every table held under ``holder_id``. A table leaves the ledger only
+        once it is released, so after a failure part-way a later call releases the rest."""
         with self._lock:
-            held = self._held.pop(holder_id, [])
+            held = list(self._held.get(holder_id, []))
+        cache = self._cache()
         for entry in held:
             pool = entry.pool()
             # After a reset the pool (or its block list) is new: those ids now name other
             # blocks, and the old references died with the old pool.
-            if pool is None or pool.blocks is not entry.blocks_list:
-                continue
-            pool.release_for_eviction(entry.block_ids)
-            pool.request_tables.pop(entry.table_id, None)
-        cache = self._cache()
-        if cache is not None:
-            for entry in held:
+            if pool is not None and pool.blocks is entry.blocks_list:
+                pool.release_for_eviction(entry.block_ids)
+                pool.request_tables.pop(entry.table_id, None)
+            if cache is not None:
                 cache.clear_request_entry(entry.table_id)
+            with self._lock:
+                remaining = [e for e in self._held.get(holder_id, []) if e is not entry]
+                if remaining:
+                    self._held[holder_id] = remaining
+                else:
+                    self._held.pop(holder_id, None)
 
     def store(self, holder_id: str, tokens: Sequence[int], blocks: Sequence[BlockState]) -> int:
         scheduler, cache = self._scheduler(), self._cache()
