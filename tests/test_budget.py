@@ -123,7 +123,7 @@ def test_a_bad_pct_is_refused_and_changes_nothing(clock: FakeClock, bad: object)
         Budget(bad, 10.0, clock=clock)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, 1e-308, 0.05])
 def test_a_bad_window_is_refused(clock: FakeClock, bad: float) -> None:
     with pytest.raises(ValueError):
         Budget(10.0, bad, clock=clock)

@@ -61,7 +61,7 @@ def test_process_slice_size_overrides_host_default(monkeypatch: pytest.MonkeyPat
         ("MLX_RECOVERY_BUDGET_PCT", "150", "<= 100"),
         ("MLX_RECOVERY_BUDGET_PCT", "-1", ">= 0"),
         ("MLX_RECOVERY_IDLE_STEPS", "0", ">= 1"),
-        ("MLX_RECOVERY_BUDGET_WINDOW_S", "0", "> 0"),
+        ("MLX_RECOVERY_BUDGET_WINDOW_S", "0", ">= 0.1"),
         ("MLX_RECOVERY_ADOPTER_MODE", "slice", "clone, trim"),
         ("MLX_RECOVERY_SLICE_TOKENS", "lots", "integer"),
     ],
@@ -143,4 +143,11 @@ def test_known_variables_raise_no_warning(monkeypatch: pytest.MonkeyPatch, caplo
 def test_duplicate_model_keys_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_RECOVERY_MODELS", '{"m": {"enabled": true}, "m": {"enabled": false}}')
     with pytest.raises(SettingsError, match="MLX_RECOVERY_MODELS: duplicate keys 'm'"):
+        load_settings()
+
+
+def test_a_vanishing_budget_window_is_refused_with_its_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window of 1e-308 s used to pass validation and overflow later in the budget."""
+    monkeypatch.setenv("MLX_RECOVERY_BUDGET_WINDOW_S", "1e-308")
+    with pytest.raises(SettingsError, match=r"MLX_RECOVERY_BUDGET_WINDOW_S.*greater than or equal to 0\.1"):
         load_settings()

@@ -25,6 +25,8 @@ ENV_PREFIX = "MLX_RECOVERY_"
 # Variables of this prefix that are not settings: the OpenBLAS re-run of the demo and the
 # benches (runner/blas.py) reads the first, and marks its child process with the second.
 OPENBLAS_VARIABLE = "MLX_RECOVERY_OPENBLAS"
+# Below this a window is no longer a window (and a share of it underflows): seconds.
+MIN_BUDGET_WINDOW_S = 0.1
 OPENBLAS_REEXEC_VARIABLE = "MLX_RECOVERY_OPENBLAS_REEXEC"
 
 
@@ -71,7 +73,7 @@ class RecoverySettings(BaseSettings):
         0.0, ge=0.0, le=100.0, description="share of wall time recovery may use; 0 = off"
     )
     budget_window_s: float = Field(
-        10.0, gt=0.0, le=3600.0, description="length of one budget window, seconds"
+        10.0, ge=MIN_BUDGET_WINDOW_S, le=3600.0, description="length of one budget window, seconds"
     )
     slice_tokens: int | None = Field(
         None, ge=16, le=65536, description="tokens per slice; unset = the host's prefill step"

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..settings import MIN_BUDGET_WINDOW_S
+
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
@@ -54,10 +56,10 @@ class Budget:
     def __init__(self, pct: float, window_s: float, *, clock: Clock = time.monotonic) -> None:
         pct = validate_pct(pct)
         if isinstance(window_s, bool) or not (
-            isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s > 0
+            isinstance(window_s, (int, float)) and math.isfinite(window_s) and window_s >= MIN_BUDGET_WINDOW_S
         ):
             raise ValueError(
-                f"budget window must be a positive number of seconds, got {window_s!r}"
+                f"budget window must be a number of seconds >= {MIN_BUDGET_WINDOW_S}, got {window_s!r}"
             )
         self._lock = threading.Lock()
         self._clock = clock
