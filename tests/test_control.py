@@ -11,6 +11,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -426,3 +427,36 @@ def test_commands_say_so_when_the_channel_is_configured_off(
     args = cli("status")
     assert args.func(args) == 1
     assert "control channel is off" in capsys.readouterr().err
+
+
+def test_deeply_nested_json_is_answered_as_an_error_and_the_server_keeps_serving(server: ControlServer) -> None:
+    reply = raw_exchange(server.path, b"[" * 20_000 + b"\n")
+    assert reply["ok"] is False and "RecursionError" in reply["error"]
+    assert request(server.path, {"op": "status"})["ok"]
+
+
+def test_silent_clients_cannot_pile_up_handler_threads(server: ControlServer) -> None:
+    before = threading.active_count()
+    silent = []
+    try:
+        for _ in range(control.MAX_HANDLERS + 8):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(server.path)
+            silent.append(sock)
+        deadline = time.monotonic() + 5
+        while threading.active_count() - before < control.MAX_HANDLERS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert threading.active_count() - before <= control.MAX_HANDLERS
+        busy = raw_exchange(server.path, b'{"op": "status"}\n')
+        assert busy["ok"] is False and "busy" in busy["error"]
+    finally:
+        for sock in silent:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reply = raw_exchange(server.path, b'{"op": "status"}\n')
+        if reply["ok"]:
+            break
+        time.sleep(0.05)
+    assert reply["ok"], "served again once the silent clients left"

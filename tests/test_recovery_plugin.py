@@ -524,3 +524,11 @@ def test_plugin_loads_from_its_entry_point_with_settings_from_the_environment(mo
         assert plugin.status()["control_socket"] is None
     finally:
         plugin.close()
+
+
+def test_with_the_budget_at_zero_the_channel_still_serves_and_can_turn_recovery_on(make_rig, tmp_path_factory) -> None:
+    path = str(tmp_path_factory.mktemp("ctl0") / "z.sock")
+    rig = make_rig(make_settings(budget_pct=0.0), control_socket=path)
+    assert os.path.exists(path), "served although recovery is off"
+    answer = request(path, {"op": "budget", "pct": 10})
+    assert answer["ok"] and rig.plugin.budget.pct == 10.0

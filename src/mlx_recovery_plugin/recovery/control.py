@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
 CONNECTION_TIMEOUT_S = 5.0
+MAX_HANDLERS = 16
 OPS = ("status", "budget")
 
 StatusFn = Callable[[], dict[str, Any]]
@@ -95,6 +96,29 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     timeout = 0.5  # handle_request() never blocks the stop long, even if a client vanished
     request_queue_size = 64
     control: ControlServer
+    # At most MAX_HANDLERS connections are answered at once; more are refused at once, so
+    # slow or silent clients cannot pile up threads in the host's process.
+    handlers: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.handlers.acquire(blocking=False):
+            try:
+                request.sendall(_encode(_error(f"busy: {MAX_HANDLERS} requests in progress")))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.handlers.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.handlers.release()
 
 
 def _error(message: str) -> dict[str, Any]:
@@ -167,6 +191,7 @@ class ControlServer:
             clear_stale_socket(self.path)
             server = _UnixServer(self.path, _Handler, bind_and_activate=False)
             server.control = self
+            server.handlers = threading.BoundedSemaphore(MAX_HANDLERS)
             try:
                 server.server_bind()
                 os.chmod(self.path, 0o600)
@@ -211,8 +236,8 @@ class ControlServer:
     def answer_line(self, line: bytes) -> dict[str, Any]:
         try:
             request = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return _error(f"request is not JSON: {exc}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            return _error(f"request is not JSON this channel reads: {type(exc).__name__}: {exc}")
         return self.answer(request)
 
     def answer(self, request: Any) -> dict[str, Any]:

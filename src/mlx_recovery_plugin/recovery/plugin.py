@@ -64,6 +64,7 @@ class RecoveryPlugin:
         self._engines: dict[str, EngineRecovery] = {}
         self._control: ControlServer | None = None
         self._control_path = self._control_path_from(control_socket)
+        self._control_failed = False
         self._arrival_ids = itertools.count(1)
         self._arrivals = 0
         self.gate = RunnableGate(
@@ -112,8 +113,8 @@ class RecoveryPlugin:
             self._engines[service.engine_id] = service
         if old is not None:
             old.cancel("engine attached again", forget=True)
-        if self.budget.pct > 0:
-            self._start_control()
+        # Served whatever the budget, so `mlx-recovery budget 10` can turn recovery on.
+        self._start_control()
 
     @hookimpl
     def request_arrived(self, event: RequestArrived) -> None:
@@ -256,9 +257,12 @@ class RecoveryPlugin:
             try:
                 server.start()
             except (ControlError, OSError) as exc:
-                log.warning("mlx-recovery: control channel not started: %s", exc)
-                self._control_path = None  # do not retry on every attach
+                # Tried again at the next engine attach or budget change; said once.
+                if not self._control_failed:
+                    log.warning("mlx-recovery: control channel not started: %s", exc)
+                self._control_failed = True
                 return
+            self._control_failed = False
             self._control = server
 
     def _stop_control(self) -> None:
