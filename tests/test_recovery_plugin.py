@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -532,3 +534,49 @@ def test_with_the_budget_at_zero_the_channel_still_serves_and_can_turn_recovery_
     assert os.path.exists(path), "served although recovery is off"
     answer = request(path, {"op": "budget", "pct": 10})
     assert answer["ok"] and rig.plugin.budget.pct == 10.0
+
+
+def test_a_cancel_that_arrives_during_a_whole_slice_publishes_nothing_of_it(make_rig) -> None:
+    """A non-interruptible slice cannot stop; when it returns into a cancelled service,
+    what it computed must not reach the host."""
+    rig = make_rig(make_settings(interruptible=False))
+    service = rig.plugin.service("e")
+    cancels: list[threading.Thread] = []
+
+    def cancel_mid_slice(n: int) -> None:
+        if n != 1:
+            return
+        cancels.append(threading.Thread(target=service.cancel, args=("test",)))
+        cancels[0].start()
+        while not service._stop.is_set():  # the cancel has been asked for
+            time.sleep(0.001)
+
+    rig.before_advance = cancel_mid_slice
+    prompt = random_tokens(97, 400)
+    rig.serve("e", prompt)
+    rig.host.drive_idle()
+    cancels[0].join(5)
+    status = rig.engine_status()
+    assert status["counters"]["blocks_published"] == 0
+    assert status["jobs"] == []
+    cache = rig.host.engines["e"].prefix_cache
+    assert cache.fetch("check", prompt).tokens == 0
+    cache.release("check")
+
+
+def test_when_the_host_loses_committed_blocks_the_job_goes_back_and_recovers_them(make_rig) -> None:
+    rig = make_rig(make_settings(budget_pct=100.0))
+    prompt = random_tokens(98, 400)
+    rig.serve("e", prompt)
+    engine = rig.host.engines["e"]
+    engine.offer_idle_step()
+    engine.offer_idle_step()  # one slice: 128 tokens committed
+    assert rig.engine_status()["jobs"][0]["committed"] == STEP
+    engine.prefix_cache.clear()  # the host evicted what recovery committed
+    rig.serve("e", random_tokens(99, 50), sparse=False)  # foreground: the live state goes
+    rig.host.drive_idle()
+    status = rig.engine_status()
+    assert status["counters"]["ground_lost_tokens"] == STEP
+    assert status["counters"]["faults"] == {}
+    assert engine.prefix_cache.fetch("check", prompt).tokens == 384
+    engine.prefix_cache.release("check")
