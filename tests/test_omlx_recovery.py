@@ -312,3 +312,24 @@ def test_the_sparse_route_report_carries_oMLX_threshold_keep_and_prefill_time(mo
     assert served.keep == pytest.approx(0.3)
     # oMLX prefills inside admission: timed from after it, the figure was a few ms.
     assert served.prefill_s is not None and 0.5 * whole < served.prefill_s <= whole
+
+
+def test_a_vision_request_keyed_by_an_image_hash_is_reported_as_such() -> None:
+    """oMLX keys a vision request's blocks by its image too; the adapter says so, and
+    recovery refuses the job (tested on the plugin side in test_recovery_progress)."""
+    from types import SimpleNamespace
+
+    from mlx_recovery_plugin.hosts.omlx.lifecycle import EngineRecord, Lifecycle, LiveRequest
+    from mlx_recovery_plugin.plugins import HookEmitter, make_plugin_manager
+
+    life = Lifecycle(HookEmitter(make_plugin_manager([], settings=RecoverySettings(), entry_points_too=False)), time.monotonic)
+    record = EngineRecord("e", SimpleNamespace(model_id="m"), driver=None)  # type: ignore[arg-type]
+    record.live["r"] = LiveRequest(in_scheduler=True, admitted=True, arrived_at=time.monotonic())
+    request = SimpleNamespace(
+        specprefill_indices=[0], prompt_token_ids=list(range(300)), cached_tokens=0,
+        vlm_extra_keys_for_cache=["image-hash"],
+    )
+    event = life.sparse_served(record, SimpleNamespace(running={"r": request}), "r")
+    assert event is not None and event.keyed_beyond_tokens
+    request.vlm_extra_keys_for_cache = None
+    assert not life.sparse_served(record, SimpleNamespace(running={"r": request}), "r").keyed_beyond_tokens

@@ -235,3 +235,16 @@ def test_a_new_turn_lifts_a_stand_down_for_a_fresh_judgement(rigs) -> None:
     rig.served(longer, threshold=5000, prefill_s=60.0)  # now the sparse route is slow
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(longer) == 1152
+
+
+def test_a_request_keyed_by_more_than_its_tokens_gets_no_job_and_is_counted(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0)
+    prompt = random_tokens(20, PROMPT)
+    rig.host.pm.hook.sparse_route_served(event=SparseRouteServed(
+        "e", "vision", MODEL, tuple(prompt), 0, len(prompt), threshold=16, keyed_beyond_tokens=True,
+    ))
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["jobs"] == []
+    assert status["counters"]["refusals"] == {"keyed_beyond_tokens": 1}
+    assert rig.restorable(prompt) == 0

@@ -57,7 +57,10 @@ class SparseRouteServed:
     tell: ``threshold``, the uncached tokens above which it takes the sparse route;
     ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds from the
     request's arrival to its first token (its time to first token on the sparse route).
-    Recovery uses them to judge whether publishing pays.
+    Recovery uses them to judge whether publishing pays. ``keyed_beyond_tokens``: the
+    host's cache keys this request's blocks by more than its tokens (an image's hash for
+    a vision request, say), so a prefix recovered under the tokens alone would not be the
+    one the host looks up; recovery refuses such a request.
     """
 
     engine_id: str
@@ -69,6 +72,7 @@ class SparseRouteServed:
     threshold: int | None = None
     keep: float | None = None
     prefill_s: float | None = None
+    keyed_beyond_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.served_start <= self.served_end <= len(self.tokens):

@@ -54,6 +54,8 @@ LINEAGE_ERROR = "lineage_error"
 INTERNAL_ERROR = "internal_error"
 
 INTERRUPTED = "slice_interrupted"  # a refusal-like reason for the status
+# A request whose cache keys hold more than its tokens (an image's hash): no job for it.
+KEYED_BEYOND_TOKENS = "keyed_beyond_tokens"
 
 # Refusals that are not foreground work: the live state is kept through them, so a
 # machine whose allowance pays for less than a block per window still finishes blocks.
@@ -168,6 +170,10 @@ class EngineRecovery:
     def served(self, event: SparseRouteServed) -> None:
         """A sparse route served ``event``'s range: queue, extend or replace a job."""
         if self.closed:
+            return
+        if event.keyed_beyond_tokens:
+            with self._lock:
+                self.counters.refused(KEYED_BEYOND_TOKENS)
             return
         with self._lock:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)

@@ -241,6 +241,7 @@ class Lifecycle:
             threshold=threshold,
             keep=keep,
             prefill_s=first - began if began is not None and first is not None else None,
+            keyed_beyond_tokens=bool(getattr(request, "vlm_extra_keys_for_cache", None)),
         )
 
     # -- steps -------------------------------------------------------------------------
