@@ -1,0 +1,92 @@
+"""``mlx-recovery bench faults`` at a tiny size: every fault kind is injected, nothing leaks,
+nothing reaches the host, no dense output differs from a cold host's; and the checks can
+fail (a leaking plugin, a plugin that raises into the host, a wrong output)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlx_recovery_plugin.bench import faults
+from mlx_recovery_plugin.bench.faults import FAULT_KINDS, format_result, run_fault_bench
+from mlx_recovery_plugin.cli import build_parser
+from mlx_recovery_plugin.events import IdleStep
+from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.testing.clock import random_tokens
+
+
+@pytest.fixture(scope="module")
+def models(loaded) -> tuple[Any, Any, Any]:
+    return loaded
+
+
+def test_a_small_bench_injects_every_kind_and_stays_clean(models) -> None:
+    result = run_fault_bench(30, seed=0, models=models)
+    assert set(result.rows) == set(FAULT_KINDS)
+    for row in result.rows.values():
+        assert row.injected >= 1, row
+        assert (row.leaked_refs, row.escapes, row.wrong_outputs) == (0, 0, 0), result.failures
+        assert row.dense_restored >= 1, "some dense requests were served from a cached prefix"
+    assert result.ok
+    for op in faults.OPS:
+        assert result.ops.get(op, 0) >= 1, op
+    table = format_result(result)
+    assert table.startswith("BLAS: ") and "all clean" in table
+
+
+class LeakingPlugin:
+    """Takes references on the engine's cache on an idle step and never gives them back."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Any] = {}
+
+    @hookimpl
+    def engine_attached(self, engine: Any) -> None:
+        self.engines[engine.engine_id] = engine
+
+    @hookimpl
+    def engine_idle_step(self, event: IdleStep) -> None:
+        engine = self.engines[event.engine_id]
+        for c in range(faults.CONVERSATIONS):  # whichever conversation the host has stored
+            engine.prefix_cache.fetch(f"leaky:{event.consecutive}:{c}", random_tokens(1000 + c, 160))
+
+
+class RaisingPlugin:
+    @hookimpl
+    def engine_reset(self, engine_id: str, deep: bool) -> None:
+        raise RuntimeError("broken plugin")
+
+    @hookimpl
+    def request_departed(self, event: Any) -> None:
+        raise RuntimeError("broken plugin")
+
+
+def test_the_checks_count_leaks(models) -> None:
+    result = run_fault_bench(5, seed=1, models=models, extra_plugins=lambda: [LeakingPlugin()])
+    leaked = sum(r.leaked_refs for r in result.rows.values())
+    assert leaked > 0 and not result.ok
+    assert any("leaked" in f for f in result.failures)
+
+
+def test_the_checks_count_exceptions_into_the_host(models) -> None:
+    result = run_fault_bench(5, seed=2, models=models, extra_plugins=lambda: [RaisingPlugin()])
+    assert sum(r.escapes for r in result.rows.values()) > 0 and not result.ok
+    assert any("swallowed" in f for f in result.failures)
+
+
+def test_the_checks_count_wrong_outputs(models, monkeypatch) -> None:
+    real = faults.ColdReference.__call__
+
+    def off_by_one(self, prompt, max_tokens, block_size, step):  # type: ignore[no-untyped-def]
+        return tuple(t + 1 for t in real(self, prompt, max_tokens, block_size, step))
+
+    monkeypatch.setattr(faults.ColdReference, "__call__", off_by_one)
+    result = run_fault_bench(3, seed=3, models=models)
+    assert sum(r.wrong_outputs for r in result.rows.values()) > 0 and not result.ok
+
+
+def test_the_command_is_registered() -> None:
+    args = build_parser().parse_args(["bench", "faults", "--runs", "3", "--seed", "7", "--no-openblas"])
+    assert (args.runs, args.seed, args.no_openblas) == (3, 7, True)
+    assert args.func is faults._run
