@@ -217,10 +217,11 @@ def test_runner_faults_park_the_job_with_back_off_and_it_resumes_later(loaded, c
 
 DROPPING = [
     ("store", 1, raise_(RuntimeError("disk full")), "store_error", 0),
-    ("store", 2, raise_(RuntimeError("disk full")), "store_error", STEP),
+    # The first slice is one block (no rate measured yet), the later ones STEP tokens.
+    ("store", 2, raise_(RuntimeError("disk full")), "store_error", B),
     ("store", 1, store_nothing, "store_refused", 0),
     ("probe", 1, short_fetch, "probe_mismatch", 0),
-    ("probe", 3, short_fetch, "probe_mismatch", 2 * STEP),
+    ("probe", 3, short_fetch, "probe_mismatch", B + STEP),
     ("probe", 1, fetch_then_raise, "fetch_error", 0),
     ("fetch", 1, fetch_then_raise, "fetch_error", 0),
     ("fetch", 1, raise_(RuntimeError("no cache")), "fetch_error", 0),

@@ -229,7 +229,8 @@ def test_a_job_starts_from_the_prefix_the_host_already_has(make_rig) -> None:
     assert result.route == "sparse" and result.cached_tokens == 256
     rig.host.drive_idle()
     assert rig.begun[0][1] == 256  # the live state began on the host's prefix
-    assert rig.calls["advance"] == 2  # 512 - 256 tokens in 128-token slices
+    # 512 - 256 tokens: a one-block first slice (no rate measured yet), then 128-token ones
+    assert [o.tokens_run for o in rig.outcomes] == [B, STEP, B]
     assert rig.engine_status()["counters"]["tokens_recovered"] == len(prompt) // B * B - 256
 
 
@@ -254,7 +255,7 @@ def test_arrival_during_a_slice_stops_it_and_the_job_resumes_from_its_committed_
     assert status["counters"]["slices_interrupted"] == 1
     assert status["live_offset"] is None and rig.open_lives == set()
     (job,) = status["jobs"]
-    assert job["committed"] == STEP  # the first slice only; nothing of the stopped one
+    assert job["committed"] == B  # the first (one-block) slice only; nothing of the stopped one
     assert status["last_refusal"] == "slice_interrupted"
 
     rig.before_advance = None
@@ -262,7 +263,7 @@ def test_arrival_during_a_slice_stops_it_and_the_job_resumes_from_its_committed_
     assert rig.host.result(rids[0]).output_tokens == cold(arriving).output_tokens
     rig.host.drive_idle()
     assert rig.engine_status()["jobs"] == []
-    assert rig.begun[-1][1] == STEP  # resumed from the committed block, fetched back
+    assert rig.begun[-1][1] == B  # resumed from the committed block, fetched back
     assert rig.host.engines["e"].prefix_cache.stored_tokens(prompt) == 640
 
 
@@ -423,7 +424,7 @@ def test_slices_shrink_to_the_allowance_so_long_slices_do_not_overshoot_the_cap(
             break
         clock.advance(rig.host.last_idle_retry_after)
     runs = [o.tokens_run for o in rig.outcomes]
-    assert runs[0] == 512  # nothing measured yet: the configured slice
+    assert runs[0] == B  # nothing measured yet: one block, whatever the configured slice
     allowance_tokens = rate * 0.10 * 1.0
     assert all(16 <= n <= allowance_tokens for n in runs[1:])
     assert sum(runs) >= 1600 - B  # the whole served range still gets recovered
@@ -487,15 +488,15 @@ def test_status_reports_jobs_boundaries_debt_and_counters(make_rig) -> None:
     status = rig.plugin.status()
     es = status["engines"]["e"]
     (job,) = es["jobs"]
-    assert job["committed"] == STEP and job["target_end"] == 700 and job["publish_end"] == 640
-    assert es["live_offset"] == STEP and es["live_job_id"] == job["job_id"]
-    assert es["debt"] == 700 - STEP == status["process"]["debt"]
-    assert es["counters"]["slices"] == 1 and es["counters"]["tokens_recovered"] == STEP
+    assert job["committed"] == B and job["target_end"] == 700 and job["publish_end"] == 640
+    assert es["live_offset"] == B and es["live_job_id"] == job["job_id"]
+    assert es["debt"] == 700 - B == status["process"]["debt"]
+    assert es["counters"]["slices"] == 1 and es["counters"]["tokens_recovered"] == B
     assert status["budget"]["pct"] == 50.0
     assert "share_used" in status["budget"] and status["process"]["faults"] == {}
     counters = rig.plugin.counters()
-    assert counters["mlx_recovery_tokens_recovered_total:e"] == STEP
-    assert counters["mlx_recovery_debt_tokens"] == 700 - STEP
+    assert counters["mlx_recovery_tokens_recovered_total:e"] == B
+    assert counters["mlx_recovery_debt_tokens"] == 700 - B
 
 
 def test_control_socket_serves_status_and_budget_and_goes_with_the_last_engine(make_rig, tmp_path_factory) -> None:
@@ -570,13 +571,13 @@ def test_when_the_host_loses_committed_blocks_the_job_goes_back_and_recovers_the
     rig.serve("e", prompt)
     engine = rig.host.engines["e"]
     engine.offer_idle_step()
-    engine.offer_idle_step()  # one slice: 128 tokens committed
-    assert rig.engine_status()["jobs"][0]["committed"] == STEP
+    engine.offer_idle_step()  # one slice: its first, one block, committed
+    assert rig.engine_status()["jobs"][0]["committed"] == B
     engine.prefix_cache.clear()  # the host evicted what recovery committed
     rig.serve("e", random_tokens(99, 50), sparse=False)  # foreground: the live state goes
     rig.host.drive_idle()
     status = rig.engine_status()
-    assert status["counters"]["ground_lost_tokens"] == STEP
+    assert status["counters"]["ground_lost_tokens"] == B
     assert status["counters"]["faults"] == {}
     assert engine.prefix_cache.fetch("check", prompt).tokens == 384
     engine.prefix_cache.release("check")

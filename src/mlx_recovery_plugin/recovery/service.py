@@ -400,8 +400,12 @@ class EngineRecovery:
     def _slice_tokens_now(self) -> int:
         """The configured slice, fitted to what the window's remaining allowance pays for
         at the measured rate, but never below one block: a slice that finishes no block
-        publishes nothing, and whatever a slice overspends the next windows pay back."""
+        publishes nothing, and whatever a slice overspends the next windows pay back.
+        The first slice, whose rate is not known yet, is one block at most: on a slow
+        machine a whole configured slice could overshoot many windows at once."""
         if self._tokens_per_s is None:
+            return min(self.slice_tokens, self.block_size)
+        if math.isinf(self._tokens_per_s):
             return self.slice_tokens
         affordable = floor_block(int(self._tokens_per_s * self._budget.remaining_s()), self.block_size)
         return min(self.slice_tokens, max(self.block_size, affordable))
@@ -414,9 +418,10 @@ class EngineRecovery:
         return whole if end < end_target and whole > start else end
 
     def _learn_rate(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+        if tokens <= 0:
             return
-        rate = tokens / seconds
+        # A slice the clock did not see (a clock coarser than the slice) cost nothing.
+        rate = tokens / seconds if seconds > 0 else math.inf
         old = self._tokens_per_s
         self._tokens_per_s = rate if old is None else 0.5 * old + 0.5 * rate
 
