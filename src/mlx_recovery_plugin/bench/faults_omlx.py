@@ -54,6 +54,11 @@ from .faults import (
 )
 
 SPARSE_THRESHOLD = 16
+# Why aborts and resets never catch a sparse request after its first step here: oMLX
+# itself (no plugin attached) then never admits another request (run_until_idle gives
+# up), and after a shallow reset with a sparse request in flight a later dense request
+# gave other greedy tokens than a cold engine's, with recovery disabled.
+OMLX_WEDGE = "a sparse (SpecPrefill) request aborted or reset after its first step wedges oMLX"
 MAX_TOKENS = 4
 FINISHED = ("stop", "length")
 
@@ -208,10 +213,12 @@ class OmlxRun:
         if host is None:
             return
         prompt = self.prompt(next_turn=False)
-        rid = self.guard("submit", lambda: host.submit(prompt, sparse=self.rng.random() < 0.5))
+        sparse = self.rng.random() < 0.5
+        rid = self.guard("submit", lambda: host.submit(prompt, sparse=sparse))
         if rid is None:
             return
-        for _ in range(self.rng.randrange(3)):
+        steps = self.rng.randrange(3)
+        for _ in range(0 if sparse else steps):  # a sparse one only before its first step (OMLX_WEDGE)
             self.guard("step", host._step)  # one scheduler step, as the engine loop takes it
         self.guard("abort", lambda: host.abort(rid))
         self.guard("run_until_idle", host.run_until_idle)
@@ -220,9 +227,9 @@ class OmlxRun:
         host = self.host
         if host is None:
             return
-        if self.rng.random() < 0.5:  # with a request in flight
+        if self.rng.random() < 0.5:  # with a request in flight: a dense one (see OMLX_WEDGE)
             prompt = self.prompt(next_turn=False)
-            self.guard("submit", lambda: host.submit(prompt, sparse=True))
+            self.guard("submit", lambda: host.submit(prompt, sparse=False))
             self.guard("step", host._step)
         deep = self.rng.random() < 0.3
         self.guard("reset", lambda: host.reset(deep=deep))
