@@ -90,3 +90,48 @@ def test_the_command_is_registered() -> None:
     args = build_parser().parse_args(["bench", "faults", "--runs", "3", "--seed", "7", "--no-openblas"])
     assert (args.runs, args.seed, args.no_openblas) == (3, 7, True)
     assert args.func is faults._run
+
+
+def test_on_omlx_the_checks_count_leaks_and_exceptions_into_the_host(models) -> None:
+    pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests")
+    from mlx_recovery_plugin.bench.faults_omlx import run_omlx_fault_bench
+
+    leaky = run_omlx_fault_bench(3, seed=1, models=models, extra_plugins=lambda: [LeakingPlugin()])
+    assert sum(r.leaked_refs for r in leaky.rows.values()) > 0 and not leaky.ok
+    assert any("leaked" in f for f in leaky.failures)
+    raising = run_omlx_fault_bench(3, seed=2, models=models, extra_plugins=lambda: [RaisingPlugin()])
+    assert sum(r.escapes for r in raising.rows.values()) > 0 and not raising.ok
+    assert any("swallowed" in f for f in raising.failures)
+
+
+def test_the_host_option_is_registered() -> None:
+    args = build_parser().parse_args(["bench", "faults", "--host", "omlx"])
+    assert (args.host, args.runs) == ("omlx", None)
+    assert build_parser().parse_args(["bench", "faults"]).host == "mock"
+
+
+def test_on_omlx_every_kind_is_injected_and_nothing_leaks_or_escapes(models) -> None:
+    pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests")
+    from mlx_recovery_plugin.bench.faults_omlx import run_omlx_fault_bench
+
+    result = run_omlx_fault_bench(20, seed=0, models=models)
+    for row in result.rows.values():
+        assert row.injected >= 1, row
+        assert (row.leaked_refs, row.escapes, row.wrong_outputs) == (0, 0, 0), result.failures
+        assert row.dense_checked >= 1, row
+    assert sum(r.dense_restored for r in result.rows.values()) >= 1
+    assert result.ok and "all clean" in format_result(result)
+
+
+def test_on_omlx_the_checks_count_wrong_outputs(models, monkeypatch) -> None:
+    pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests")
+    from mlx_recovery_plugin.bench import faults_omlx
+
+    real = faults_omlx.OmlxColdReference.__call__
+
+    def off_by_one(self, prompt, max_tokens, block_size, step):  # type: ignore[no-untyped-def]
+        return tuple(t + 1 for t in real(self, prompt, max_tokens, block_size, step))
+
+    monkeypatch.setattr(faults_omlx.OmlxColdReference, "__call__", off_by_one)
+    result = faults_omlx.run_omlx_fault_bench(2, seed=3, models=models)
+    assert sum(r.wrong_outputs for r in result.rows.values()) > 0 and not result.ok

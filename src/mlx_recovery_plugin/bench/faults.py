@@ -439,10 +439,19 @@ def _run(args: argparse.Namespace) -> int:
     if not getattr(args, "verbose", False):  # every injected fault is logged as a warning
         logging.getLogger("mlx_recovery_plugin").setLevel(logging.ERROR)
         logging.getLogger("mlx_recovery_plugin.recovery").setLevel(logging.CRITICAL)
-    result = run_fault_bench(
-        args.runs, seed=args.seed, ops=args.ops,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
-    )
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if getattr(args, "host", "mock") == "omlx":
+        from .faults_omlx import omlx_available, run_omlx_fault_bench
+
+        why = omlx_available()
+        if why is not None:
+            print(f"bench faults --host omlx skipped: {why}", file=sys.stderr)
+            return 0
+        runs = args.runs if args.runs is not None else 100
+        result = run_omlx_fault_bench(runs, seed=args.seed, ops=args.ops, progress=progress)
+    else:
+        runs = args.runs if args.runs is not None else 2000
+        result = run_fault_bench(runs, seed=args.seed, ops=args.ops, progress=progress)
     print(format_result(result))
     return 0 if result.ok else 1
 
@@ -451,7 +460,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "faults", help="random host events with injected recovery faults: leaks, escapes, wrong outputs"
     )
-    p.add_argument("--runs", type=int, default=2000, help="random interleavings (default 2000)")
+    p.add_argument(
+        "--runs", type=int, default=None, help="random interleavings (default 2000 on the mock host, 100 on oMLX)"
+    )
+    p.add_argument(
+        "--host", choices=("mock", "omlx"), default="mock",
+        help="the mock host (default) or the real oMLX scheduler through OmlxContractHost",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", type=int, default=8, help="most random operations per run before its closing turn")
     add_openblas_flag(p)
