@@ -273,3 +273,13 @@ def test_the_plot_draws_sessions_and_the_curve(tmp_path: Path) -> None:
     assert "BLAS: openblas" in text and "cost balance" in text and "+1.50" in text  # curve: on - rec, signed
     write_plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_each_arm_starts_on_an_empty_cache_even_in_a_reused_workdir(tmp_path: Path) -> None:
+    from mlx_recovery_plugin.bench.server.run import fresh_dir
+
+    cache = tmp_path / "runs" / "agent" / "sparse_off" / "cache"
+    cache.mkdir(parents=True)
+    (cache / "block-0.safetensors").write_bytes(b"left by an earlier run")
+    assert fresh_dir(cache) == cache
+    assert list(cache.iterdir()) == []

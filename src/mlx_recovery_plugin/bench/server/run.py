@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,15 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
+def fresh_dir(path: Path) -> Path:
+    """``path`` emptied: every arm starts on a cache of its own, also when ``--workdir``
+    names the directory of an earlier run."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
 def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> ServerSpec:
     base = root / "base"
     write_model_settings(base, pair, sparse=arm != "sparse_off")
@@ -74,7 +84,7 @@ def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> 
         if config.publish_policy:
             env["MLX_RECOVERY_PUBLISH_POLICY"] = config.publish_policy
     return ServerSpec(
-        model_dir=pair.model_dir, base_path=base, cache_dir=root / "cache", log_path=root / "server.log",
+        model_dir=pair.model_dir, base_path=base, cache_dir=fresh_dir(root / "cache"), log_path=root / "server.log",
         port=config.port, env=env, expect_plugin=arm == "sparse_recovery",
         start_timeout_s=config.start_timeout_s,
     )
