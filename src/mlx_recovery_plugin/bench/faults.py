@@ -191,13 +191,13 @@ class ColdReference:
         return self.memo[key]
 
 
-class Run:
-    """One interleaving: a host, its plugin, and the counters of what went wrong."""
+class FaultRun:
+    """What every interleaving shares, whatever the host: the drawn sizes and budget, the
+    plugin with its faulty runner, the counters of what went wrong, the operation mix and
+    the closing turn. A host's run supplies ``serve``, ``abort``, ``reset``,
+    ``stop_engine``, ``idle`` and ``finish``."""
 
-    def __init__(
-        self, models: tuple[Any, Any, Any], cold: ColdReference, rng: random.Random, injector: Injector,
-        extra_plugins: Sequence[object] = (),
-    ) -> None:
+    def __init__(self, models: tuple[Any, Any, Any], cold: Any, rng: random.Random, injector: Injector) -> None:
         self.models, self.cold, self.rng, self.injector = models, cold, rng, injector
         self.block = rng.choice(BLOCK_SIZES)
         self.step = self.block * rng.choice((2, 4))
@@ -210,12 +210,7 @@ class Run:
         self.plugin = RecoveryPlugin(
             self.settings, clock=self.clock, runner_factory=self._runner, control_socket=False
         )
-        self.host = MockHost(
-            make_plugin_manager([self.plugin, *extra_plugins], settings=self.settings, entry_points_too=False)
-        )
         self.budget = pct
-        self.generation = 0
-        self.eid = ""
         self.escapes = 0
         self.dense_checked = 0
         self.dense_restored = 0
@@ -224,25 +219,9 @@ class Run:
         self.conversation = rng.randrange(CONVERSATIONS)
         self.turn = 0
         self.ops: dict[str, int] = {}
-        self._add_engine()
 
-    # -- plumbing -------------------------------------------------------------------
     def _runner(self, handle: Any, block_size: int, interruptible: bool) -> FaultyRunner:
         return FaultyRunner(SliceRunner(handle, block_size, interruptible=interruptible), self.injector)
-
-    def _add_engine(self) -> None:
-        model, tokenizer, draft = self.models
-        self.generation += 1
-        self.eid = f"e{self.generation}"
-        engine = self.guard(
-            "add_engine",
-            lambda: self.host.add_engine(
-                self.eid, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL_ID,
-                block_size=self.block, prefill_step=self.step, sparse_threshold=16, clock=self.clock,
-            ),
-        )
-        if engine is not None:
-            install_cache_faults(engine.prefix_cache, self.injector, self.block)
 
     def guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """Call the host; an exception reaching here is one that escaped into the host."""
@@ -259,6 +238,85 @@ class Run:
         if self.rng.random() < 0.15:  # sometimes another conversation
             self.conversation = self.rng.randrange(CONVERSATIONS)
         return random_tokens(1000 + self.conversation, TURN_LENGTHS[self.turn])
+
+    def set_budget(self) -> None:
+        self.budget = self.rng.choice((0.0, 5.0, 25.0, 50.0, 100.0))
+        self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
+
+    # -- what a host's run supplies -------------------------------------------------
+    def serve(self, sparse: bool) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def stop_engine(self, unload: bool) -> None:
+        raise NotImplementedError
+
+    def idle(self, rounds: int) -> None:
+        raise NotImplementedError
+
+    def play(self, n_ops: int) -> None:
+        for _ in range(n_ops):
+            op = self.rng.choices(list(OPS), weights=list(OPS.values()))[0]
+            self.ops[op] = self.ops.get(op, 0) + 1
+            if op in ("sparse", "dense"):
+                self.serve(op == "sparse")
+            elif op == "abort":
+                self.abort()
+            elif op == "reset":
+                self.reset()
+            elif op in ("shutdown", "unload"):
+                self.stop_engine(op == "unload")
+            elif op == "budget":
+                self.set_budget()
+            elif op == "idle":
+                self.idle(self.rng.randrange(1, 4))
+            else:
+                self.clock.advance(self.rng.choice((0.5, 5.0, PARK_MAX_S)))
+        # The closing turn: a sparse request leaves debt, idle time recovers it (through
+        # the armed fault if it has not fired yet), and a dense request restores it.
+        if self.budget == 0:
+            self.budget = 50.0
+            self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
+        self.serve(True)
+        self.idle(8)
+        self.serve(False)
+        self.idle(2)
+
+
+class Run(FaultRun):
+    """One interleaving on the mock host."""
+
+    def __init__(
+        self, models: tuple[Any, Any, Any], cold: ColdReference, rng: random.Random, injector: Injector,
+        extra_plugins: Sequence[object] = (),
+    ) -> None:
+        super().__init__(models, cold, rng, injector)
+        self.host = MockHost(
+            make_plugin_manager([self.plugin, *extra_plugins], settings=self.settings, entry_points_too=False)
+        )
+        self.generation = 0
+        self.eid = ""
+        self._add_engine()
+
+    # -- plumbing -------------------------------------------------------------------
+    def _add_engine(self) -> None:
+        model, tokenizer, draft = self.models
+        self.generation += 1
+        self.eid = f"e{self.generation}"
+        engine = self.guard(
+            "add_engine",
+            lambda: self.host.add_engine(
+                self.eid, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL_ID,
+                block_size=self.block, prefill_step=self.step, sparse_threshold=16, clock=self.clock,
+            ),
+        )
+        if engine is not None:
+            install_cache_faults(engine.prefix_cache, self.injector, self.block)
 
     # -- operations -----------------------------------------------------------------
     def serve(self, sparse: bool) -> None:
@@ -308,10 +366,6 @@ class Run:
             self.guard("shutdown", lambda: self.host.shutdown(self.eid))
         self._add_engine()
 
-    def set_budget(self) -> None:
-        self.budget = self.rng.choice((0.0, 5.0, 25.0, 50.0, 100.0))
-        self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
-
     def idle(self, rounds: int) -> None:
         for _ in range(rounds):
             self.guard("drive_idle", self.host.drive_idle)
@@ -319,34 +373,6 @@ class Run:
             if delay is None:
                 break
             self.clock.advance(delay)
-
-    def play(self, n_ops: int) -> None:
-        for _ in range(n_ops):
-            op = self.rng.choices(list(OPS), weights=list(OPS.values()))[0]
-            self.ops[op] = self.ops.get(op, 0) + 1
-            if op in ("sparse", "dense"):
-                self.serve(op == "sparse")
-            elif op == "abort":
-                self.abort()
-            elif op == "reset":
-                self.reset()
-            elif op in ("shutdown", "unload"):
-                self.stop_engine(op == "unload")
-            elif op == "budget":
-                self.set_budget()
-            elif op == "idle":
-                self.idle(self.rng.randrange(1, 4))
-            else:
-                self.clock.advance(self.rng.choice((0.5, 5.0, PARK_MAX_S)))
-        # The closing turn: a sparse request leaves debt, idle time recovers it (through
-        # the armed fault if it has not fired yet), and a dense request restores it.
-        if self.budget == 0:
-            self.budget = 50.0
-            self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
-        self.serve(True)
-        self.idle(8)
-        self.serve(False)
-        self.idle(2)
 
     def finish(self) -> int:
         """Close the plugin; returns the leaked references."""

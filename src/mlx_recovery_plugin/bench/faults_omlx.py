@@ -30,22 +30,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..recovery.plugin import RecoveryPlugin
-from ..recovery.service import PARK_MAX_S
-from ..runner import SliceRunner
-from ..settings import ModelSettings, RecoverySettings
-from ..testing.clock import FakeClock, random_tokens
 from ..testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
 from .faults import (
-    BLOCK_SIZES,
-    CONVERSATIONS,
     FAULT_KINDS,
     HOLDER_PREFIX,
     MODEL_ID,
-    OPS,
-    TURN_LENGTHS,
     FaultBenchResult,
-    FaultyRunner,
+    FaultRun,
     Injector,
     KindRow,
     arm,
@@ -100,7 +91,7 @@ class OmlxColdReference:
         return self.memo[key]
 
 
-class OmlxRun:
+class OmlxRun(FaultRun):
     """One interleaving on oMLX: a host (replaced after shutdown or unload), the plugin,
     and the counters of what went wrong."""
 
@@ -108,36 +99,13 @@ class OmlxRun:
         self, models: tuple[Any, Any, Any], cold: OmlxColdReference, rng: random.Random, injector: Injector,
         extra_plugins: Callable[[], Sequence[object]] = tuple,
     ) -> None:
-        self.models, self.cold, self.rng, self.injector = models, cold, rng, injector
+        super().__init__(models, cold, rng, injector)
         self.extra_plugins = extra_plugins
-        self.block = rng.choice(BLOCK_SIZES)
-        self.step = self.block * rng.choice((2, 4))
-        self.clock = FakeClock()
-        pct = rng.choice((25.0, 50.0, 100.0))
-        self.settings = RecoverySettings(
-            budget_pct=pct, budget_window_s=10.0, idle_steps=rng.choice((1, 2)), publish_policy="always",
-            slice_tokens=self.step, models={MODEL_ID: ModelSettings(enabled=True)},
-        )
-        self.plugin = RecoveryPlugin(
-            self.settings, clock=self.clock, runner_factory=self._runner, control_socket=False
-        )
-        self.budget = pct
         self.host: Any = None
-        self.escapes = 0
         self.leaked = 0
-        self.dense_checked = 0
-        self.dense_restored = 0
-        self.wrong = 0
-        self.problems: list[str] = []
-        self.conversation = rng.randrange(CONVERSATIONS)
-        self.turn = 0
-        self.ops: dict[str, int] = {}
         self._new_host()
 
     # -- plumbing -------------------------------------------------------------------
-    def _runner(self, handle: Any, block_size: int, interruptible: bool) -> FaultyRunner:
-        return FaultyRunner(SliceRunner(handle, block_size, interruptible=interruptible), self.injector)
-
     def _new_host(self) -> None:
         from ..testing.omlx_host import OmlxContractHost
 
@@ -167,22 +135,6 @@ class OmlxRun:
         if refs:
             self.leaked += len(refs)
             self.problems.append(f"leaked{' after plugin close' if plugin_closed else ''}: {refs}")
-
-    def guard(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Call the host; an exception reaching here is one that escaped into the host."""
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - counting them is the point
-            self.escapes += 1
-            self.problems.append(f"{what}: {exc!r}")
-            return None
-
-    def prompt(self, *, next_turn: bool) -> list[int]:
-        if next_turn and self.turn < len(TURN_LENGTHS) - 1:
-            self.turn += 1
-        if self.rng.random() < 0.15:
-            self.conversation = self.rng.randrange(CONVERSATIONS)
-        return random_tokens(1000 + self.conversation, TURN_LENGTHS[self.turn])
 
     # -- operations -----------------------------------------------------------------
     def serve(self, sparse: bool) -> None:
@@ -246,10 +198,6 @@ class OmlxRun:
             self._retire(plugin_closed=False)
         self._new_host()
 
-    def set_budget(self) -> None:
-        self.budget = self.rng.choice((0.0, 5.0, 25.0, 50.0, 100.0))
-        self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
-
     def idle(self, rounds: int) -> None:
         host = self.host
         if host is None:
@@ -259,32 +207,6 @@ class OmlxRun:
             if not offered:
                 break
             self.clock.advance(1.0)
-
-    def play(self, n_ops: int) -> None:
-        for _ in range(n_ops):
-            op = self.rng.choices(list(OPS), weights=list(OPS.values()))[0]
-            self.ops[op] = self.ops.get(op, 0) + 1
-            if op in ("sparse", "dense"):
-                self.serve(op == "sparse")
-            elif op == "abort":
-                self.abort()
-            elif op == "reset":
-                self.reset()
-            elif op in ("shutdown", "unload"):
-                self.stop_engine(op == "unload")
-            elif op == "budget":
-                self.set_budget()
-            elif op == "idle":
-                self.idle(self.rng.randrange(1, 4))
-            else:
-                self.clock.advance(self.rng.choice((0.5, 5.0, PARK_MAX_S)))
-        if self.budget == 0:
-            self.budget = 50.0
-            self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
-        self.serve(True)
-        self.idle(8)
-        self.serve(False)
-        self.idle(2)
 
     def finish(self) -> int:
         """Close the plugin, then the host; returns the leaked references."""
