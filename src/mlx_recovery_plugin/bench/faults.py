@@ -163,6 +163,21 @@ class FaultBenchResult:
     def ok(self) -> bool:
         return all(r.clean for r in self.rows.values())
 
+    def book(self, index: int, kind: str, injector: Injector, run: FaultRun, leaked: int) -> None:
+        """Add run ``index``'s counts to its fault kind's row and the totals."""
+        row = self.rows[kind]
+        row.runs += 1
+        row.injected += injector.fired
+        row.leaked_refs += leaked
+        row.escapes += run.escapes
+        row.dense_checked += run.dense_checked
+        row.dense_restored += run.dense_restored
+        row.wrong_outputs += run.wrong
+        for op, n in run.ops.items():
+            self.ops[op] = self.ops.get(op, 0) + n
+        if run.problems and len(self.failures) < 20:
+            self.failures.extend(f"run {index} ({kind}): {p}" for p in run.problems[:3])
+
 
 class ColdReference:
     """Greedy dense outputs of a host that never stored anything (a new engine per
@@ -419,19 +434,7 @@ def run_fault_bench(
         injector = arm(kind, rng)
         run = Run(models, cold, rng, injector, extra_plugins())
         run.play(rng.randrange(max(1, ops // 2), ops + 1))
-        leaked = run.finish()
-        row = rows[kind]
-        row.runs += 1
-        row.injected += injector.fired
-        row.leaked_refs += leaked
-        row.escapes += run.escapes
-        row.dense_checked += run.dense_checked
-        row.dense_restored += run.dense_restored
-        row.wrong_outputs += run.wrong
-        for op, n in run.ops.items():
-            result.ops[op] = result.ops.get(op, 0) + n
-        if run.problems and len(result.failures) < 20:
-            result.failures.extend(f"run {index} ({kind}): {p}" for p in run.problems[:3])
+        result.book(index, kind, injector, run, run.finish())
         if progress and (index + 1) % 100 == 0:
             progress(f"[{index + 1}/{runs}] {time.perf_counter() - started:.0f} s")
         if index % 50 == 49:

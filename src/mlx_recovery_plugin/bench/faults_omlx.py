@@ -245,18 +245,7 @@ def run_omlx_fault_bench(
             run.play(rng.randrange(max(1, ops // 2), ops + 1))
         finally:
             leaked = run.finish()
-        row = rows[kind]
-        row.runs += 1
-        row.injected += injector.fired
-        row.leaked_refs += leaked
-        row.escapes += run.escapes
-        row.dense_checked += run.dense_checked
-        row.dense_restored += run.dense_restored
-        row.wrong_outputs += run.wrong
-        for op, n in run.ops.items():
-            result.ops[op] = result.ops.get(op, 0) + n
-        if run.problems and len(result.failures) < 20:
-            result.failures.extend(f"run {index} ({kind}): {p}" for p in run.problems[:3])
+        result.book(index, kind, injector, run, leaked)
         if progress and (index + 1) % 10 == 0:
             progress(f"[{index + 1}/{runs}] {time.perf_counter() - started:.0f} s")
         if index % 20 == 19:
