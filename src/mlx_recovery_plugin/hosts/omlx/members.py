@@ -64,6 +64,8 @@ class Member:
     #: ``SchedulerConfig`` settings that switch the block prefix cache on, given a
     #: cache directory (``{dir}`` is replaced).
     cache_config: Mapping[str, Any]
+    #: ... and the settings that leave it off.
+    cache_off_config: Mapping[str, Any]
     #: The serve command: console script, then the arguments for a model directory, a
     #: base path and a cache directory (``{model_dir}``, ``{base_path}``, ``{cache_dir}``).
     serve_script: str
@@ -72,6 +74,8 @@ class Member:
     #: per-model settings (``model_settings.json``), relative to the base path.
     serve_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     settings_dir: str = "."
+    #: Per-model settings every bench arm gets (``model_settings.json`` entries).
+    model_settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     #: The ``EngineCore`` flag without which ``add_request`` refuses requests (set by its
     #: ``start()``); test hosts that step the scheduler themselves raise it around a call.
     engine_running_flag: str | None = None
@@ -137,6 +141,7 @@ FLYTO_MLX = Member(
     admin_auth="omlx.admin.auth:require_admin",
     # flyto-mlx keeps no prefix cache unless it has an SSD directory.
     cache_config=MappingProxyType({"paged_ssd_cache_dir": "{dir}"}),
+    cache_off_config=MappingProxyType({}),
     serve_script="omlx",
     serve_args=(
         "serve", "--model-dir", "{model_dir}", "--base-path", "{base_path}",
@@ -164,12 +169,16 @@ FUSION_MLX = Member(
     admin_auth=None,  # fusion_mlx.server.app is built after the module is imported
     # Its block prefix cache is on by default, in memory, without an SSD directory.
     cache_config=MappingProxyType({"enable_prefix_cache": True}),
+    cache_off_config=MappingProxyType({"enable_prefix_cache": False}),
     serve_script="fusion-mlx",
     # --base-path and --model-dir are exclusive there; per-model settings come from
     # $HOME/.fusion-mlx, so the bench points HOME at the base path.
     serve_args=("serve", "--model-dir", "{model_dir}", "--enable-prefix-cache"),
     serve_env=MappingProxyType({"HOME": "{base_path}", "FUSION_MLX_API_KEY": "mlx-recovery-bench"}),
     settings_dir=".fusion-mlx",
+    # Its default 4-bit TurboQuant KV cache keys blocks by quantized layer types, which
+    # refuse the plugin's float blocks (the read-back probe catches it): off in every arm.
+    model_settings=MappingProxyType({"turboquant_kv_enabled": False}),
     engine_running_flag="_running",
 )
 
