@@ -9,7 +9,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_recovery_plugin.demo.arms import ServeConfig

@@ -59,9 +59,8 @@ def progress_to_stderr(line: str) -> None:
 
 
 def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
-    from .run import BenchConfig
-
     from ...hosts.omlx.members import MEMBERS
+    from .run import BenchConfig
 
     config = BenchConfig(
         workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy,

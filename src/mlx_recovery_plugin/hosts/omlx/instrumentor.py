@@ -39,11 +39,9 @@ import functools
 import importlib
 import importlib.util
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
