@@ -28,6 +28,8 @@ BENCH_MODULES = (
     "mlx_recovery_plugin.bench.budget",
     "mlx_recovery_plugin.bench.efficiency",
     "mlx_recovery_plugin.bench.faults",
+    "mlx_recovery_plugin.bench.machines",
+    "mlx_recovery_plugin.bench.startup",
     "mlx_recovery_plugin.bench.server.cli",
 )
 

@@ -2,34 +2,47 @@
 
 ``mlx_recovery_plugin.pth`` (see ``hooks/``) sits in site-packages; Python runs its one
 line at every start. The line only reads ``MLX_RECOVERY_ENABLE``; when it is set to a
-true value it calls :func:`install`, which loads the host adapters (entry-point group
-``mlx_recovery_plugin.hosts``) and puts a finder at the front of ``sys.meta_path`` that
-waits for each adapter's trigger module (oMLX: ``omlx.scheduler``). Right after that
-module has executed, the adapter instruments the host. Once every awaited module has
-loaded, the finder removes itself. A host already imported is instrumented at once.
+true value it calls :func:`install`, which puts a finder at the front of
+``sys.meta_path``. Most processes never import a host, so install loads nothing: it reads
+the entry points (:mod:`.entry_scan`, no ``importlib.metadata``) and waits for each
+adapter's host package (group ``mlx_recovery_plugin.host_packages``; oMLX's is ``omlx``).
+When that package is imported, the adapter (group ``mlx_recovery_plugin.hosts``) is
+loaded and its trigger modules are awaited in turn (oMLX: ``omlx.scheduler``); right
+after such a module has executed, the adapter instruments the host. Once nothing is
+awaited, the finder removes itself. A host already imported is instrumented at once; an
+adapter that names no host package is loaded at start.
 
-Nothing here may stop the interpreter or the host from starting: every failure is
-logged and swallowed.
+This module imports only what a bare interpreter has already loaded, so the hook costs a
+few milliseconds where no host is imported. Nothing here may stop the interpreter or the
+host from starting: every failure is logged and swallowed.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import logging
+import _thread
 import os
 import sys
-import threading
-from collections.abc import Callable, Mapping
-from types import ModuleType
-from typing import Any
 
-log = logging.getLogger(__name__)
+from .entry_scan import HOST_PACKAGES_ENTRY_POINT_GROUP, HOSTS_ENTRY_POINT_GROUP, scan_groups
+
+TYPE_CHECKING = False  # typing's own costs ms to import; mypy reads this name the same
+if TYPE_CHECKING:
+    import logging
+    from collections.abc import Callable, Iterable, Mapping
+    from types import ModuleType
+    from typing import Any
+
+    OnLoaded = Callable[[ModuleType], None]
 
 ENABLE_VARIABLE = "MLX_RECOVERY_ENABLE"
 # The spellings pydantic reads as true, so the .pth line and the settings agree.
 TRUE_VALUES = frozenset({"1", "true", "yes", "on", "t", "y"})
 
-OnLoaded = Callable[[ModuleType], None]
+
+def _log() -> logging.Logger:
+    import logging
+
+    return logging.getLogger(__name__)
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -37,7 +50,7 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(ENABLE_VARIABLE, "").strip().lower() in TRUE_VALUES
 
 
-class _NotifyingLoader(importlib.abc.Loader):
+class _NotifyingLoader:
     """Runs the real loader, puts it back on the module, then calls ``on_loaded``."""
 
     def __init__(self, loader: Any, on_loaded: OnLoaded) -> None:
@@ -58,15 +71,17 @@ class _NotifyingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class PostImportFinder(importlib.abc.MetaPathFinder):
-    """Calls back after named modules are imported; leaves ``sys.meta_path`` when done.
+class PostImportFinder:
+    """Calls back after named modules are imported; joins ``sys.meta_path`` while it
+    waits for one and leaves it when done (a meta-path finder and loader by duck typing:
+    ``importlib.abc`` costs ms to import).
 
     Threads: imports may happen on any thread; the pending table is guarded by
     ``_lock``, and a callback runs on the importing thread, outside the lock.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self._pending: dict[str, list[OnLoaded]] = {}
 
     def watch(self, module_name: str, callback: OnLoaded) -> None:
@@ -76,6 +91,7 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
             return
         with self._lock:
             self._pending.setdefault(module_name, []).append(callback)
+        self.install()
 
     @property
     def watching(self) -> list[str]:
@@ -123,7 +139,7 @@ def _run(callback: OnLoaded, module: ModuleType) -> None:
     try:
         callback(module)
     except Exception as exc:  # noqa: BLE001 - the host's import must go on
-        log.warning("mlx-recovery: start-up hook for %s failed: %r", module.__name__, exc)
+        _log().warning("mlx-recovery: start-up hook for %s failed: %r", module.__name__, exc)
 
 
 _finder: PostImportFinder | None = None
@@ -133,7 +149,7 @@ def install(environ: Mapping[str, str] | None = None) -> PostImportFinder | None
     """Arrange for every installed host adapter to attach when its host is imported.
 
     Does nothing unless ``MLX_RECOVERY_ENABLE`` is true. Safe to call more than once.
-    Returns the finder (None when disabled or nothing is awaited).
+    Returns the finder (None when disabled or on failure).
     """
     global _finder
     try:
@@ -141,24 +157,58 @@ def install(environ: Mapping[str, str] | None = None) -> PostImportFinder | None
             return None
         if _finder is not None:
             return _finder
-        from . import load_host_adapters
-
         finder = PostImportFinder()
-        for name, adapter in load_host_adapters().items():
-            if not adapter.host_importable():
-                continue
-            hooks = getattr(adapter, "startup_hooks", None)
-            watched = hooks() if callable(hooks) else {adapter.trigger_module: _instrumenting(adapter)}
-            for module_name, callback in watched.items():
-                finder.watch(module_name, callback)
-            log.debug("mlx-recovery: start-up hook waits for %s (%s)", sorted(watched), name)
-        if finder.watching:
-            finder.install()
+        groups = scan_groups([HOSTS_ENTRY_POINT_GROUP, HOST_PACKAGES_ENTRY_POINT_GROUP])
+        packages = groups[HOST_PACKAGES_ENTRY_POINT_GROUP]
+        at_start: list[str] = []
+        for name in sorted(groups[HOSTS_ENTRY_POINT_GROUP]):
+            package = packages.get(name)
+            if package is None:
+                at_start.append(name)
+            elif _findable(package):
+                finder.watch(package, _loading(finder, name))
+        if at_start:
+            watch_adapters(finder, at_start)
         _finder = finder
         return finder
     except Exception as exc:  # noqa: BLE001 - never break the interpreter's start
-        log.warning("mlx-recovery: start-up hook not installed: %r", exc)
+        _log().warning("mlx-recovery: start-up hook not installed: %r", exc)
         return None
+
+
+def watch_adapters(finder: PostImportFinder, names: Iterable[str]) -> None:
+    """Load the adapters ``names`` and await their trigger modules."""
+    from .adapters import load_host_adapters
+
+    for name, adapter in load_host_adapters(names=names).items():
+        if not adapter.host_importable():
+            continue
+        hooks = getattr(adapter, "startup_hooks", None)
+        watched = hooks() if callable(hooks) else {adapter.trigger_module: _instrumenting(adapter)}
+        for module_name, callback in watched.items():
+            finder.watch(module_name, callback)
+        _log().debug("mlx-recovery: start-up hook waits for %s (%s)", sorted(watched), name)
+
+
+def _loading(finder: PostImportFinder, name: str) -> OnLoaded:
+    def load(_package: ModuleType) -> None:
+        watch_adapters(finder, [name])
+
+    return load
+
+
+def _findable(package: str) -> bool:
+    """Is a top-level package installed? Asks the meta-path finders, imports nothing."""
+    for meta in list(sys.meta_path):
+        find = getattr(meta, "find_spec", None)
+        if find is None or isinstance(meta, PostImportFinder):
+            continue
+        try:
+            if find(package, None) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def _instrumenting(adapter: Any) -> OnLoaded:
