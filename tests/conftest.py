@@ -37,3 +37,22 @@ def loaded(tiny_llama_dir: Path, tiny_draft_dir: Path) -> tuple[Any, Any, Any]:
     draft, _ = load_tiny_model(tiny_draft_dir)
     return model, tokenizer, draft
 
+
+
+def _member_names() -> list[str]:
+    from mlx_recovery_plugin.hosts.omlx.members import MEMBERS
+
+    return list(MEMBERS)
+
+
+@pytest.fixture(scope="module", params=_member_names())
+def omlx_member(request: pytest.FixtureRequest) -> Any:
+    """Each member of the oMLX family (flyto-mlx, fusion-mlx) installed here; the others
+    skip (CI installs each in its own environment)."""
+    from mlx_recovery_plugin.hosts.omlx.members import MEMBERS
+    from mlx_recovery_plugin.testing.omlx_host import member_installed
+
+    member = MEMBERS[request.param]
+    if not member_installed(member):
+        pytest.skip(f"{member.distribution} (import {member.package}) is not installed; CI installs it in its own environment")
+    return member

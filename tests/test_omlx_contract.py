@@ -1,4 +1,5 @@
-"""The host contract suite against the real oMLX scheduler, through the oMLX adapter."""
+"""The host contract suite against the real scheduler of each oMLX family member
+(flyto-mlx, fusion-mlx), through the family adapter."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ from typing import Any
 
 import pytest
 
-omlx = pytest.importorskip(
-    "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
-)
-
+from mlx_recovery_plugin.hosts.omlx.members import Member
 from mlx_recovery_plugin.testing.contract import HostContractSuite
 from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
@@ -26,8 +24,8 @@ def models(tiny_llama_dir: Path, tiny_draft_dir: Path) -> tuple[Any, Any, Any]:
 
 class TestOmlxHostContract(HostContractSuite):
     @pytest.fixture
-    def contract_host(self, models: tuple[Any, Any, Any]) -> Iterator[OmlxContractHost]:
+    def contract_host(self, models: tuple[Any, Any, Any], omlx_member: Member) -> Iterator[OmlxContractHost]:
         model, tokenizer, draft = models
-        host = OmlxContractHost(model, tokenizer, draft, block_size=64, sparse_threshold=128)
+        host = OmlxContractHost(model, tokenizer, draft, block_size=64, sparse_threshold=128, member=omlx_member)
         yield host
         host.close()

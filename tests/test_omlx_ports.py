@@ -1,5 +1,5 @@
-"""The host ports over a real oMLX scheduler: fetch, release and store through oMLX's own
-prefix cache, with every reference given back."""
+"""The host ports over the real scheduler of each oMLX family member: fetch, release and
+store through the host's own prefix cache, with every reference given back."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-
-omlx = pytest.importorskip(
-    "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
-)
-
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_recovery_plugin.demo.arms import ServeConfig
@@ -23,6 +18,7 @@ from mlx_recovery_plugin.demo.omlx import (
     serve,
     wait_for_cache_writes,
 )
+from mlx_recovery_plugin.hosts.omlx.members import Member
 from mlx_recovery_plugin.hosts.omlx.ports import OmlxEngine, model_id_of
 from mlx_recovery_plugin.kvcodec import blocks_from_cache
 from mlx_recovery_plugin.ports import EnginePort, ModelHandle, PrefixCachePort
@@ -41,9 +37,9 @@ def models(tiny_llama_dir: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture
-def scheduler(models: tuple[Any, Any], tmp_path: Path) -> Iterator[Any]:
+def scheduler(models: tuple[Any, Any], tmp_path: Path, omlx_member: Member) -> Iterator[Any]:
     model, tokenizer = models
-    sched = make_scheduler(model, tokenizer, tmp_path / "cache", CONFIG)
+    sched = make_scheduler(model, tokenizer, tmp_path / "cache", CONFIG, member=omlx_member)
     yield sched
     sched.shutdown()
 
@@ -95,6 +91,37 @@ def test_stored_blocks_come_back_through_fetch_with_the_same_keys_and_values(
     assert engine.prefix_cache.holders() == []
 
 
+class _CountingLock:
+    """Stands in for the host's re-entrant buffer lock and says whether it is held."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
+def test_a_store_writes_every_block_under_the_host_buffer_lock(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any], omlx_member: Member,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host's cache writer reads MLX buffers under its own lock (fusion-mlx keeps it in
+    ``scheduler.types``, not beside the methods that use it); the port's writes take it too."""
+    lock = _CountingLock()
+    module_name, _, attr = omlx_member.buffer_lock.partition(":")
+    monkeypatch.setattr(omlx_member.resolve(module_name), attr, lock)
+    cache = scheduler.block_aware_cache
+    depths: list[int] = []
+    original = cache.store_cache
+    monkeypatch.setattr(cache, "store_cache", lambda *a, **k: (depths.append(lock.depth), original(*a, **k))[1])
+    tokens = contract_tokens(2 * BLOCK, seed=11)
+    assert engine.prefix_cache.store("job", tokens, dense_blocks(models[0], tokens, 2)) == 2 * BLOCK
+    assert depths == [1, 1] and lock.depth == 0
+
+
 def test_tail_blocks_are_refused_until_the_blocks_before_them_are_stored(
     engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
 ) -> None:
@@ -120,19 +147,19 @@ def test_store_floors_to_whole_blocks_and_rejects_misnumbered_blocks(
 
 
 def test_a_request_after_a_port_store_restores_it_and_generates_like_a_cold_run(
-    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any], tmp_path: Path
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any], tmp_path: Path, omlx_member: Member
 ) -> None:
     model, tokenizer = models
     prompt = contract_tokens(5 * BLOCK + 17, seed=4)
-    cold_scheduler = make_scheduler(model, tokenizer, tmp_path / "cold", CONFIG)
+    cold_scheduler = make_scheduler(model, tokenizer, tmp_path / "cold", CONFIG, member=omlx_member)
     try:
-        cold = serve(cold_scheduler, make_request("cold", prompt, max_tokens=8, sparse=False))
+        cold = serve(cold_scheduler, make_request("cold", prompt, max_tokens=8, sparse=False, member=omlx_member))
         wait_for_cache_writes(cold_scheduler)
     finally:
         cold_scheduler.shutdown()
 
     assert engine.prefix_cache.store("job", prompt, dense_blocks(model, prompt, 5)) == 5 * BLOCK
-    warm = serve(scheduler, make_request("warm", prompt, max_tokens=8, sparse=False))
+    warm = serve(scheduler, make_request("warm", prompt, max_tokens=8, sparse=False, member=omlx_member))
     wait_for_cache_writes(scheduler)
 
     assert cold.row.cached_tokens == 0
@@ -201,12 +228,13 @@ def test_a_release_after_a_reset_leaves_the_new_cache_alone(
 
 
 def test_without_the_oMLX_prefix_cache_fetch_and_store_do_nothing(
-    models: tuple[Any, Any], tmp_path: Path
+    models: tuple[Any, Any], tmp_path: Path, omlx_member: Member
 ) -> None:
-    from omlx.scheduler import Scheduler, SchedulerConfig
-
+    module = omlx_member.resolve(omlx_member.scheduler_module)
     model, tokenizer = models
-    bare = Scheduler(model, tokenizer, SchedulerConfig(model_name="/models/org/tiny-1B/"))
+    bare = module.Scheduler(
+        model, tokenizer, module.SchedulerConfig(model_name="/models/org/tiny-1B/", **omlx_member.cache_off_config)
+    )
     engine = OmlxEngine(bare, "no-cache")
     tokens = contract_tokens(2 * BLOCK, seed=7)
     assert engine.model_id == model_id_of(bare) == "tiny-1B"
@@ -216,11 +244,11 @@ def test_without_the_oMLX_prefix_cache_fetch_and_store_do_nothing(
     engine.prefix_cache.release("probe")
 
 
-def test_ports_hold_the_scheduler_weakly(models: tuple[Any, Any], tmp_path: Path) -> None:
+def test_ports_hold_the_scheduler_weakly(models: tuple[Any, Any], tmp_path: Path, omlx_member: Member) -> None:
     import gc
 
     model, tokenizer = models
-    sched = make_scheduler(model, tokenizer, tmp_path / "weak", CONFIG)
+    sched = make_scheduler(model, tokenizer, tmp_path / "weak", CONFIG, member=omlx_member)
     engine = OmlxEngine(sched, "weak")
     sched.shutdown()
     del sched

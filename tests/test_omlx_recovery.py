@@ -1,4 +1,5 @@
-"""Recovery on the real oMLX scheduler, through the oMLX adapter and the recovery plugin:
+"""Recovery on the real scheduler of each oMLX family member (flyto-mlx, fusion-mlx),
+through the family adapter and the recovery plugin:
 recovered prefixes are restored and serve like the dense route, foreground work comes
 first, and reset or unload in the middle of recovery leaves no block reference behind."""
 
@@ -12,13 +13,10 @@ from typing import Any
 
 import pytest
 
-omlx = pytest.importorskip(
-    "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
-)
-
 from mlx_recovery_plugin.demo.arms import ServeConfig
 from mlx_recovery_plugin.demo.omlx import OmlxArm
 from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.hosts.omlx.members import Member
 from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.recovery.service import default_runner_factory
@@ -47,7 +45,7 @@ def growing_conversation(sizes: Sequence[int]) -> list[list[int]]:
 
 
 def test_later_turns_restore_recovered_blocks_and_generate_like_the_dense_route(
-    models: tuple[Any, Any, Any], tmp_path: Path
+    models: tuple[Any, Any, Any], tmp_path: Path, omlx_member: Member
 ) -> None:
     model, tokenizer, draft = models
     # 320: sparse. 470: the recovered 320 plus 150 new, dense. 870: 422 uncached after the
@@ -57,7 +55,7 @@ def test_later_turns_restore_recovered_blocks_and_generate_like_the_dense_route(
         model_id="tiny", block_size=BLOCK, prefill_step=128, sparse_threshold=THRESHOLD,
         max_tokens=6, budget_pct=50.0, pool_blocks=512,
     )
-    arms = {arm: OmlxArm(arm, model, tokenizer, draft, config, tmp_path / arm)
+    arms = {arm: OmlxArm(arm, model, tokenizer, draft, config, tmp_path / arm, member=omlx_member)
             for arm in ("sparse_off", "sparse_on", "sparse_recovery")}
     try:
         for turn, prompt in enumerate(prompts):
@@ -166,13 +164,15 @@ def hold() -> Hold:
 
 
 @pytest.fixture
-def setup(models: tuple[Any, Any, Any], hold: Hold) -> Iterator[tuple[OmlxContractHost, RecoveryPlugin, EventRecorder, Signals]]:
+def setup(
+    models: tuple[Any, Any, Any], hold: Hold, omlx_member: Member
+) -> Iterator[tuple[OmlxContractHost, RecoveryPlugin, EventRecorder, Signals]]:
     model, tokenizer, draft = models
     plugin = recovery_plugin("tiny-recovering", hold)
     recorder, signals = EventRecorder(), Signals(hold)
     host = OmlxContractHost(
         model, tokenizer, draft, block_size=BLOCK, sparse_threshold=THRESHOLD,
-        plugins=[plugin, recorder, signals], model_id="tiny-recovering",
+        plugins=[plugin, recorder, signals], model_id="tiny-recovering", member=omlx_member,
     )
     try:
         yield host, plugin, recorder, signals
@@ -293,14 +293,16 @@ def test_reset_in_the_middle_of_a_recovery_job_leaves_no_reference_and_recovery_
     assert host.outstanding_refs() == {}
 
 
-def test_the_sparse_route_report_carries_oMLX_threshold_keep_and_prefill_time(models: tuple[Any, Any, Any]) -> None:
+def test_the_sparse_route_report_carries_oMLX_threshold_keep_and_prefill_time(
+    models: tuple[Any, Any, Any], omlx_member: Member
+) -> None:
     """What the publish policy weighs: oMLX's own threshold and keep share for the
     request, and how long its sparse prefill took (admission to first token)."""
     model, tokenizer, draft = models
     recorder = EventRecorder()
     with OmlxContractHost(
         model, tokenizer, draft, block_size=BLOCK, sparse_threshold=THRESHOLD, sparse_keep=0.3,
-        plugins=[recorder], model_id="tiny-route",
+        plugins=[recorder], model_id="tiny-route", member=omlx_member,
     ) as host:
         started = time.perf_counter()
         rid = host.submit(contract_tokens(24 * BLOCK, seed=21), max_tokens=1, sparse=True)

@@ -27,6 +27,7 @@ from mlx_recovery_plugin.bench.server.process import (
     group_alive,
 )
 from mlx_recovery_plugin.bench.server.report import ArmRun, SessionResult, StepRecord, format_session, status_figures
+from mlx_recovery_plugin.hosts.omlx.members import FLYTO_MLX, FUSION_MLX, MEMBERS, Member
 
 # A stand-in for `omlx serve`: argv[1] says how it misbehaves; it is called like omlx
 # (`serve --model-dir ... --port P`).
@@ -122,7 +123,7 @@ def test_a_server_without_the_plugin_routes_is_explained_and_stopped(fake_server
 
 
 def test_a_missing_startup_hook_is_found_before_start_and_the_fix_is_given(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(process, "omlx_command", lambda: [sys.executable])
+    monkeypatch.setattr(process, "omlx_command", lambda member=None: [sys.executable])
     monkeypatch.setattr(process, "find_startup_hook", lambda python, env: (None, ["/venv/site-packages"]))
     spec = ServerSpec(tmp_path, tmp_path / "b", tmp_path / "c", tmp_path / "log", expect_plugin=True)
     server = ServerProcess(spec)
@@ -210,17 +211,21 @@ def test_the_report_gives_the_oracle_and_signed_differences() -> None:
 # -- the real server -------------------------------------------------------------------
 
 
-def _real_server_ready() -> str | None:
-    for module in ("omlx.server", "openai", "uvicorn", "python_multipart", "psutil", "tabulate"):
+def _real_server_ready(member: Member) -> str | None:
+    for module in (member.server_module, "openai", "uvicorn", "python_multipart", "psutil", "tabulate"):
         try:
             __import__(module)
         except ImportError as exc:
-            return f"{module} is not installed ({exc}); CI installs the server's packages in .venv-omlx"
+            return (f"{module} is not installed ({exc}); CI installs the server's packages in "
+                    f"{'.venv-omlx' if member is FLYTO_MLX else '.venv-fusion'}")
     return None
 
 
-@pytest.mark.skipif(_real_server_ready() is not None, reason=str(_real_server_ready()))
-def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize("member", list(MEMBERS.values()), ids=list(MEMBERS))
+def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_path: Path, member: Member) -> None:
+    reason = _real_server_ready(member)
+    if reason is not None:
+        pytest.skip(reason)
     from mlx_recovery_plugin.bench.server import sessions
     from mlx_recovery_plugin.bench.server.models import write_models
     from mlx_recovery_plugin.bench.server.run import BenchConfig, run_arm
@@ -228,7 +233,7 @@ def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_p
 
     pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
                         TinyModelSpec(arch="llama", num_layers=1, seed=7))
-    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always")
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always", member=member)
     session = sessions.agent(sessions.Shape(turns=2), think_s=8.0)
     lines: list[str] = []
     off = run_arm(config, pair, session, "sparse_off", tmp_path / "off", lines.append)
@@ -237,7 +242,7 @@ def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_p
 
     assert rec.steps[0].prompt_tokens > 8192 and rec.steps[0].cached_tokens == 0
     assert "SpecPrefill: sparse prefill" in log, "the first turn did not take the sparse route"
-    block = 256
+    block = 256  # flyto-mlx's default block; fusion-mlx's (64) is smaller
     assert abs(rec.steps[1].cached_tokens - off.steps[1].cached_tokens) <= block, (off.steps, rec.steps)
     assert off.steps[1].cached_tokens >= 8192
     status = rec.steps[0].status  # read at the end of the first think gap
@@ -245,6 +250,27 @@ def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_p
     for run in (off, rec):
         assert not run.traceback_in_log, Path(run.log_path).read_text()[-3000:]
     assert not process._live
+
+
+def test_each_member_is_started_with_its_own_command_environment_and_settings(tmp_path: Path) -> None:
+    from mlx_recovery_plugin.bench.server.models import write_model_settings
+
+    spec = ServerSpec(tmp_path / "m", tmp_path / "b", tmp_path / "c", tmp_path / "log",
+                      command=["fusion-mlx"], member=FUSION_MLX)
+    assert spec.argv(8123) == ["fusion-mlx", "serve", "--model-dir", str(tmp_path / "m"), "--enable-prefix-cache",
+                               "--host", "127.0.0.1", "--port", "8123"]
+    env = spec.environment()
+    assert env["HOME"] == str(tmp_path / "b") and env["FUSION_MLX_API_KEY"]
+    flyto = ServerSpec(tmp_path / "m", tmp_path / "b", tmp_path / "c", tmp_path / "log", command=["omlx"])
+    assert flyto.argv(1)[:2] == ["omlx", "serve"] and "--paged-ssd-cache-dir" in flyto.argv(1)
+    assert flyto.environment() == {}
+
+    pair = ModelPair(tmp_path / "m", "target", "draft")
+    path = write_model_settings(tmp_path / "b" / FUSION_MLX.settings_dir, pair, sparse=True,
+                                extra=FUSION_MLX.model_settings)
+    assert path == tmp_path / "b" / ".fusion-mlx" / "model_settings.json"  # where $HOME/.fusion-mlx is
+    entry = json.loads(path.read_text())["models"]["target"]
+    assert entry["specprefill_enabled"] and entry["turboquant_kv_enabled"] is False
 
 
 def test_the_bench_is_a_subcommand_with_its_options() -> None:

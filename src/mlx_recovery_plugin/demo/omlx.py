@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hosts.omlx.instrumentor import OmlxInstrumentor
+from ..hosts.omlx.members import FLYTO_MLX, Member
 from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
 from ..settings import RecoverySettings
@@ -41,9 +42,12 @@ def make_scheduler(
     cache_dir: str | Path,
     config: ServeConfig,
     draft: Any | None = None,
+    member: Member = FLYTO_MLX,
 ) -> Any:
-    """A real oMLX scheduler with its prefix cache on (in ``cache_dir``)."""
-    from omlx.scheduler import Scheduler, SchedulerConfig
+    """A real scheduler of ``member`` with its prefix cache on (in ``cache_dir`` where the
+    member keeps it on disk)."""
+    module = member.resolve(member.scheduler_module)
+    Scheduler, SchedulerConfig = module.Scheduler, module.SchedulerConfig
 
     scheduler = Scheduler(
         model,
@@ -51,7 +55,7 @@ def make_scheduler(
         SchedulerConfig(
             model_name=config.model_id,
             paged_cache_block_size=config.block_size,
-            paged_ssd_cache_dir=str(cache_dir),
+            **member.scheduler_cache_config(str(cache_dir)),
             prefill_step_size=config.prefill_step,
             max_cache_blocks=config.pool_blocks,
             initial_cache_blocks=min(256, config.pool_blocks),
@@ -144,14 +148,16 @@ class OmlxArm:
         draft: Any,
         config: ServeConfig,
         cache_dir: str | Path,
+        member: Member = FLYTO_MLX,
     ) -> None:
         if arm not in ARMS:
             raise ValueError(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
         self.arm = arm
         self.config = config
+        self.member = member
         self.clock = VirtualClock()
         self.scheduler = make_scheduler(
-            model, tokenizer, cache_dir, config, draft=None if arm == "sparse_off" else draft
+            model, tokenizer, cache_dir, config, draft=None if arm == "sparse_off" else draft, member=member
         )
         self.plugin: RecoveryPlugin | None = None
         self.instrumentor: OmlxInstrumentor | None = None
@@ -159,9 +165,9 @@ class OmlxArm:
             self.plugin = arm_recovery_plugin(config, self.clock)
             pm = make_plugin_manager([self.plugin], settings=RecoverySettings(), entry_points_too=False)
             own = self.scheduler
-            self.instrumentor = OmlxInstrumentor(clock=self.clock, accept=lambda s: s is own)
+            self.instrumentor = OmlxInstrumentor(member, clock=self.clock, accept=lambda s: s is own)
             if not self.instrumentor.instrument(pm=pm):
-                raise RuntimeError("this oMLX cannot be instrumented")
+                raise RuntimeError(f"this {member.label} cannot be instrumented")
         self.result = ArmResult(arm)
         #: Generated tokens of every turn served, in order.
         self.outputs: list[list[int]] = []
@@ -176,6 +182,7 @@ class OmlxArm:
             sparse=self.arm != "sparse_off",
             threshold=self.config.sparse_threshold,
             keep_pct=self.config.sparse_keep,
+            member=self.member,
         )
         served = serve(self.scheduler, request, turn=turn, debt=debt)
         self.result.turns.append(served.row)

@@ -1,8 +1,10 @@
-"""The host contract suite's adapter for oMLX: one real ``EngineCore``, instrumented.
+"""The host contract suite's adapter for the oMLX family: one real ``EngineCore``, instrumented.
 
 :class:`OmlxContractHost` satisfies :class:`~mlx_recovery_plugin.testing.contract.
-ContractHost` (and its threaded form) over a real oMLX ``EngineCore`` with its prefix
-cache on, attached through :class:`OmlxInstrumentor` (limited to this host's scheduler).
+ContractHost` (and its threaded form) over a real ``EngineCore`` of a family member
+(flyto-mlx's ``omlx``, fusion-mlx's ``fusion_mlx``; :mod:`..hosts.omlx.members`) with its
+prefix cache on, attached through :class:`OmlxInstrumentor` (limited to this host's
+scheduler).
 Requests enter through ``EngineCore.add_request`` and leave through oMLX's own paths.
 
 Synchronous driving steps the scheduler on the calling thread, the way ``EngineCore``'s
@@ -32,6 +34,7 @@ from typing import Any
 import pluggy
 
 from ..hosts.omlx.instrumentor import OmlxInstrumentor
+from ..hosts.omlx.members import FLYTO_MLX, MEMBERS, Member
 from ..hosts.omlx.ports import OmlxEngine
 from ..plugins import make_plugin_manager
 from ..ports import HOLDER_PREFIX
@@ -42,6 +45,20 @@ _MAX_STEPS = 100_000
 
 
 
+def member_installed(member: Member) -> bool:
+    """The member's scheduler and engine import here (tests skip the member otherwise)."""
+    try:
+        member.scheduler_class()
+        member.engine_core_class()
+    except ImportError:
+        return False
+    return True
+
+
+def installed_members() -> list[Member]:
+    return [m for m in MEMBERS.values() if member_installed(m)]
+
+
 def make_request(
     request_id: str,
     prompt: Sequence[int],
@@ -50,9 +67,12 @@ def make_request(
     sparse: bool,
     threshold: int = 1024,
     keep_pct: float = 0.2,
+    member: Member = FLYTO_MLX,
 ) -> Any:
-    """A greedy oMLX request; ``sparse`` opts it into SpecPrefill (as ``EngineCore`` does)."""
-    from omlx.request import Request, SamplingParams
+    """A greedy request of ``member``; ``sparse`` opts it into SpecPrefill (as
+    ``EngineCore`` does)."""
+    module = member.resolve(member.request_module)
+    Request, SamplingParams = module.Request, module.SamplingParams
 
     request = Request(
         request_id=request_id,
@@ -100,10 +120,13 @@ class OmlxContractHost:
         cache_dir: str | Path | None = None,
         model_id: str | None = None,
         clock: Any = None,
+        member: Member = FLYTO_MLX,
     ) -> None:
-        from omlx.engine_core import EngineConfig, EngineCore
-        from omlx.scheduler import SchedulerConfig
+        engine_module = member.resolve(member.engine_core_module)
+        EngineConfig, EngineCore = engine_module.EngineConfig, engine_module.EngineCore
+        SchedulerConfig = member.resolve(member.scheduler_module).SchedulerConfig
 
+        self.member = member
         self._tmp = None if cache_dir is not None else tempfile.TemporaryDirectory(prefix="omlx-contract-")
         cache_path = str(cache_dir if cache_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         self.model_name = model_id or f"contract-{next(_names)}"
@@ -115,10 +138,10 @@ class OmlxContractHost:
         )
         name = self.model_name
         self.instrumentor = OmlxInstrumentor(
-            accept=lambda s: s.config.model_name == name, **({"clock": clock} if clock else {})
+            member, accept=lambda s: s.config.model_name == name, **({"clock": clock} if clock else {})
         )
         if not self.instrumentor.instrument(pm=self.pm):
-            raise RuntimeError("this oMLX cannot be instrumented")
+            raise RuntimeError(f"this {member.label} cannot be instrumented")
         self.core = EngineCore(
             model,
             tokenizer,
@@ -127,8 +150,8 @@ class OmlxContractHost:
                 scheduler_config=SchedulerConfig(
                     model_name=name,
                     paged_cache_block_size=block_size,
-                    paged_ssd_cache_dir=cache_path,
                     prefill_step_size=prefill_step,
+                    **member.scheduler_cache_config(cache_path),
                     max_cache_blocks=1024,
                     initial_cache_blocks=64,
                 ),
@@ -168,7 +191,7 @@ class OmlxContractHost:
         return self.pm
 
     def submit(self, prompt_tokens: Sequence[int], *, max_tokens: int = 4, sparse: bool = False) -> str:
-        from omlx.request import SamplingParams
+        SamplingParams = self.member.resolve(self.member.request_module).SamplingParams
 
         rid = f"req-{uuid.uuid4().hex[:12]}"
         with self._lock:
@@ -179,20 +202,29 @@ class OmlxContractHost:
             # behind this very step, so do what it does on the engine thread directly.
             request = make_request(
                 rid, prompt_tokens, max_tokens=max_tokens, sparse=sparse,
-                threshold=self._threshold, keep_pct=self._keep,
+                threshold=self._threshold, keep_pct=self._keep, member=self.member,
             )
             self.scheduler.add_request(request)
             return rid
-        self._call(
-            self.core.add_request(
-                [int(t) for t in prompt_tokens],
-                params,
-                request_id=rid,
-                specprefill=sparse,
-                specprefill_threshold=self._threshold,
-                specprefill_keep_pct=self._keep,
-            )
+        arrival = self.core.add_request(
+            [int(t) for t in prompt_tokens],
+            params,
+            request_id=rid,
+            specprefill=sparse,
+            specprefill_threshold=self._threshold,
+            specprefill_keep_pct=self._keep,
         )
+        flag = self.member.engine_running_flag
+        if self._loop is not None or flag is None or getattr(self.core, flag):
+            self._call(arrival)
+            return rid
+        # Stepped from here, the engine loop is not started: the member's engine refuses
+        # requests without its running flag, so raise it for this call only.
+        setattr(self.core, flag, True)
+        try:
+            self._call(arrival)
+        finally:
+            setattr(self.core, flag, False)
         return rid
 
     def run_until_idle(self) -> None:
@@ -416,4 +448,4 @@ class OmlxContractHost:
         }
 
 
-__all__ = ["OmlxContractHost", "OmlxResult"]
+__all__ = ["OmlxContractHost", "OmlxResult", "installed_members", "member_installed"]

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "server",
-        help="the three arms on the real oMLX server, driven by the OpenAI SDK",
-        description="Start `omlx serve` on a loopback port per arm (sparse off, sparse on, sparse "
+        help="the three arms on a real oMLX-family server, driven by the OpenAI SDK",
+        description="Start `omlx serve` (or `fusion-mlx serve`, --host fusion_mlx) on a loopback port per arm (sparse off, sparse on, sparse "
         "on + recovery attached by environment variables), drive agent sessions with the OpenAI "
         "SDK, and report per-turn cached tokens and time to first token.",
     )
@@ -37,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target-id", help="target model id (directory name) in --model-dir")
     p.add_argument("--draft-id", help="draft model id (directory name) in --model-dir")
     p.add_argument("--port", type=int, default=None, help="loopback port (default: a free one per server)")
+    p.add_argument("--host", choices=_host_names(), default="omlx",
+                   help="which oMLX-family server to start: omlx (flyto-mlx, `omlx serve`) or fusion_mlx "
+                   "(`fusion-mlx serve`); default omlx")
     p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
     p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
@@ -45,14 +48,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def _host_names() -> tuple[str, ...]:
+    from ...hosts.omlx.members import MEMBERS
+
+    return tuple(MEMBERS)
+
+
 def progress_to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
+    from ...hosts.omlx.members import MEMBERS
     from .run import BenchConfig
 
-    config = BenchConfig(workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy)
+    config = BenchConfig(
+        workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy,
+        member=MEMBERS[getattr(args, "host", "omlx")],
+    )
     if args.quick:
         config.target, config.draft = QUICK_TARGET, QUICK_DRAFT
         config.sessions, config.think_s, config.curve_turns = ("agent",), 10.0, 2

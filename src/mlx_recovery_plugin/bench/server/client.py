@@ -25,10 +25,10 @@ class TurnMeasure:
     completion_tokens: int
 
 
-def make_client(base_url: str, timeout_s: float = 900.0) -> Any:
+def make_client(base_url: str, timeout_s: float = 900.0, api_key: str = "unused") -> Any:
     from openai import OpenAI
 
-    return OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout_s, max_retries=0)
+    return OpenAI(base_url=base_url + "/v1", api_key=api_key, timeout=timeout_s, max_retries=0)
 
 
 def send_turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int = 2) -> TurnMeasure:

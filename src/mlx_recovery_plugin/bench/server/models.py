@@ -9,6 +9,7 @@ SpecPrefill is switched on per model in ``<base path>/model_settings.json``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,10 +102,13 @@ def check_models(pair: ModelPair) -> None:
         )
 
 
-def write_model_settings(base_path: Path, pair: ModelPair, sparse: bool) -> Path:
-    """``<base_path>/model_settings.json`` with SpecPrefill on (or off) for the target."""
+def write_model_settings(
+    base_path: Path, pair: ModelPair, sparse: bool, extra: Mapping[str, object] | None = None
+) -> Path:
+    """``<base_path>/model_settings.json`` with SpecPrefill on (or off) for the target,
+    plus the host's ``extra`` settings."""
     base_path.mkdir(parents=True, exist_ok=True)
-    entry: dict[str, object] = {"specprefill_enabled": sparse}
+    entry: dict[str, object] = {**(extra or {}), "specprefill_enabled": sparse}
     if sparse:
         entry["specprefill_draft_model"] = str(pair.draft_path)
     path = base_path / "model_settings.json"

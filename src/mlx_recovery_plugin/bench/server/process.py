@@ -1,4 +1,5 @@
-"""One ``omlx serve`` subprocess on a loopback port: start, readiness, attachment, stop.
+"""One server of the oMLX family (``omlx serve``, ``fusion-mlx serve``) on a loopback
+port: start, readiness, attachment, stop.
 
 The server runs in its own process group (``start_new_session``), so stopping it stops
 everything it started, and an error anywhere in the bench still stops every server it
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from ...hosts.omlx.members import FLYTO_MLX, Member
 from ...recovery.control_paths import SOCKET_DIR_NAME, SOCKET_SUFFIX
 
 HOST = "127.0.0.1"
@@ -74,14 +76,16 @@ def check_port_free(port: int) -> None:
             raise
 
 
-def omlx_command() -> list[str]:
-    """The ``omlx`` console script of this environment (else the one on PATH)."""
-    here = Path(sys.executable).parent / "omlx"
-    found = str(here) if here.is_file() else shutil.which("omlx")
+def omlx_command(member: Member = FLYTO_MLX) -> list[str]:
+    """The member's console script (``omlx``, ``fusion-mlx``) of this environment, else
+    the one on PATH."""
+    script = member.serve_script
+    here = Path(sys.executable).parent / script
+    found = str(here) if here.is_file() else shutil.which(script)
     if found is None:
         raise ServerStartError(
-            "no `omlx` command: install flyto-mlx (oMLX) into this environment "
-            "(see tests/omlx-requirements.txt and .ci/run)"
+            f"no `{script}` command: install {member.distribution} into this environment "
+            "(see tests/omlx-requirements.txt, tests/fusion-requirements.txt and .ci/run)"
         )
     return [found]
 
@@ -130,7 +134,7 @@ def missing_hook_advice(python: str, site_dirs: list[str]) -> str:
 
 @dataclass(slots=True)
 class ServerSpec:
-    """What to start. ``command`` is the ``omlx`` executable (or a stand-in in tests)."""
+    """What to start. ``command`` is the member's executable (or a stand-in in tests)."""
 
     model_dir: Path
     base_path: Path
@@ -141,16 +145,16 @@ class ServerSpec:
     command: list[str] | None = None
     start_timeout_s: float = 180.0
     expect_plugin: bool = False
+    member: Member = FLYTO_MLX
 
     def argv(self, port: int) -> list[str]:
-        return [
-            *(self.command or omlx_command()), "serve",
-            "--model-dir", str(self.model_dir),
-            "--base-path", str(self.base_path),
-            "--paged-ssd-cache-dir", str(self.cache_dir),
-            "--host", HOST,
-            "--port", str(port),
-        ]
+        command = self.command or omlx_command(self.member)
+        serve = self.member.serve_argv(command[0], str(self.model_dir), str(self.base_path), str(self.cache_dir))
+        return [*command, *serve[1:], "--host", HOST, "--port", str(port)]
+
+    def environment(self) -> dict[str, str]:
+        """The member's own variables, then the spec's."""
+        return {**self.member.server_env(str(self.base_path)), **self.env}
 
 
 _live: set[ServerProcess] = set()
@@ -198,9 +202,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         check_port_free(self.port)
-        env = {**os.environ, **self.spec.env}
+        env = {**os.environ, **self.spec.environment()}
         if self.spec.expect_plugin and self.spec.command is None:
-            script = omlx_command()[0]
+            script = omlx_command(self.spec.member)[0]
             python = script_python(script)
             hook, dirs = find_startup_hook(python, env)
             if hook is None:
@@ -214,7 +218,8 @@ class ServerProcess:
         _live.add(self)
         try:
             self._wait_ready()
-            if self.spec.expect_plugin:
+            if self.spec.expect_plugin and self.spec.member.admin_auth is not None:
+                # Members without admin routes are checked at the first status read.
                 self._check_attached()
         except BaseException:
             self.stop()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...hosts.omlx.members import FLYTO_MLX, Member
 from ...recovery.control import ControlError, request
 from ...testing.tiny_model import TinyModelSpec
 from . import sessions as sessions_mod
@@ -52,6 +53,7 @@ class BenchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     balance_repeats: int = 3
     start_timeout_s: float = 180.0
+    member: Member = FLYTO_MLX  # which server of the oMLX family serves
 
 
 def _private_dir(path: Path) -> Path:
@@ -71,7 +73,9 @@ def fresh_dir(path: Path) -> Path:
 
 def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> ServerSpec:
     base = root / "base"
-    write_model_settings(base, pair, sparse=arm != "sparse_off")
+    write_model_settings(
+        base / config.member.settings_dir, pair, sparse=arm != "sparse_off", extra=config.member.model_settings
+    )
     env = {"MLX_RECOVERY_ENABLE": "0", **config.extra_env}
     if arm == "sparse_recovery":
         env.update({
@@ -86,7 +90,7 @@ def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> 
     return ServerSpec(
         model_dir=pair.model_dir, base_path=base, cache_dir=fresh_dir(root / "cache"), log_path=root / "server.log",
         port=config.port, env=env, expect_plugin=arm == "sparse_recovery",
-        start_timeout_s=config.start_timeout_s,
+        start_timeout_s=config.start_timeout_s, member=config.member,
     )
 
 
@@ -117,7 +121,7 @@ def run_arm(
     run = ArmRun(arm=arm, log_path=str(spec.log_path))
     with ServerProcess(spec) as server:
         progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
-        client = make_client(server.base_url)
+        client = make_client(server.base_url, api_key=spec.environment().get("FUSION_MLX_API_KEY", "unused"))
         # Load the model (and the draft) before the clock runs: oMLX loads on first use.
         send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1)
         for index, step in enumerate(session.steps):
@@ -161,7 +165,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
 
     pair = _pair(config, progress)
     report = BenchReport(
-        target=pair.target_id, draft=pair.draft_id, host=_host_version(),
+        target=pair.target_id, draft=pair.draft_id, host=_host_version(config.member),
         blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
@@ -212,10 +216,10 @@ def _server_preload() -> str:
     return f"; the servers inherit LD_PRELOAD={preload}" if preload else ""
 
 
-def _host_version() -> str:
+def _host_version(member: Member) -> str:
     try:
         from importlib.metadata import version
 
-        return f"oMLX (flyto-mlx {version('flyto-mlx')})"
+        return f"{member.label} {version(member.distribution)}"
     except Exception:  # noqa: BLE001 - only a label
-        return "oMLX (version unknown)"
+        return f"{member.label} (version unknown)"

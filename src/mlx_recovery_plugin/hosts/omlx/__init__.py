@@ -1,8 +1,26 @@
-"""The oMLX host adapter: lifecycle hooks, host ports and idle driving for oMLX 0.7.
+"""The oMLX family's host adapter: lifecycle hooks, host ports and idle driving for
+servers built on oMLX's scheduler (flyto-mlx 0.7, fusion-mlx 0.10; see :mod:`.members`).
 
-Importing this package does not import oMLX; :meth:`OmlxInstrumentor.instrument` does.
+Importing this package does not import a host; :meth:`OmlxInstrumentor.instrument` does.
+``omlx_adapter`` and ``fusion_mlx_adapter`` are the entry points' adapters.
 """
 
 from .instrumentor import SUPPORTED_VERSIONS, OmlxInstrumentor, version_supported
+from .members import FLYTO_MLX, FUSION_MLX, MEMBERS, Member, VersionRange, member_of
 
-__all__ = ["SUPPORTED_VERSIONS", "OmlxInstrumentor", "version_supported"]
+omlx_adapter = OmlxInstrumentor(FLYTO_MLX)
+fusion_mlx_adapter = OmlxInstrumentor(FUSION_MLX)
+
+__all__ = [
+    "FLYTO_MLX",
+    "FUSION_MLX",
+    "MEMBERS",
+    "SUPPORTED_VERSIONS",
+    "Member",
+    "OmlxInstrumentor",
+    "VersionRange",
+    "fusion_mlx_adapter",
+    "member_of",
+    "omlx_adapter",
+    "version_supported",
+]

@@ -37,6 +37,13 @@ def cache_of_block(model: Any, block: BlockState) -> list[Any]:
     return cache
 
 
+def unwrapped(layer: Any) -> Any:
+    """The mlx-lm cache inside a host wrapper: the oMLX family restores recurrent layers
+    as a ``SizedArraysCache`` that holds the ``ArraysCache`` as ``_inner`` (to report a size)."""
+    inner = getattr(layer, "__dict__", {}).get("_inner")
+    return inner if isinstance(inner, ArraysCache) and not isinstance(layer, ArraysCache) else layer
+
+
 def blocks_of_restored(restored: list[Any], n_blocks: int, block_size: int) -> list[BlockState]:
     """Blocks ``0..n_blocks-1`` of a cache oMLX rebuilt from its stored blocks.
 
@@ -45,6 +52,7 @@ def blocks_of_restored(restored: list[Any], n_blocks: int, block_size: int) -> l
     """
     if n_blocks == 0:
         return []
+    restored = [unwrapped(layer) for layer in restored]
     if not any(isinstance(layer, ArraysCache) for layer in restored):
         return blocks_from_cache(restored, 0, n_blocks, block_size)
     blocks = []

@@ -39,16 +39,15 @@ import functools
 import importlib
 import importlib.util
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from .lifecycle import Lifecycle
+from .members import FLYTO_MLX, Member, VersionRange
 from .wrappers import FACTORIES
 
 if TYPE_CHECKING:
@@ -56,22 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: oMLX releases this adapter was written against: ``>= 0.7, < 0.8``.
-@dataclass(slots=True, frozen=True)
-class VersionRange:
-    """Versions ``>= low`` and ``< high``."""
-
-    low: tuple[int, ...]
-    high: tuple[int, ...]
-
-    def __contains__(self, version: tuple[int, ...]) -> bool:
-        return self.low <= version < self.high
-
-    def __str__(self) -> str:
-        return f">={'.'.join(map(str, self.low))},<{'.'.join(map(str, self.high))}"
-
-
-SUPPORTED_VERSIONS = VersionRange((0, 7), (0, 8))
+#: flyto-mlx releases this adapter was written against (kept for callers of 0.1).
+SUPPORTED_VERSIONS: VersionRange = FLYTO_MLX.versions
 
 SCHEDULER_METHODS = tuple(name for cls, name in FACTORIES if cls == "Scheduler")
 ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCore")
@@ -98,24 +83,27 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def version_supported(version: str) -> bool:
+def version_supported(version: str, member: Member = FLYTO_MLX) -> bool:
     parsed = parse_version(version)
-    return bool(parsed) and parsed in SUPPORTED_VERSIONS
+    return bool(parsed) and parsed in member.versions
 
 
 class OmlxInstrumentor:
-    """The oMLX host adapter (entry point ``omlx`` of ``mlx_recovery_plugin.hosts``)."""
-
-    name = "omlx"
-    trigger_module = "omlx.scheduler"
+    """The oMLX family's host adapter, bound to one member (:mod:`.members`); the entry
+    points ``omlx`` and ``fusion_mlx`` of ``mlx_recovery_plugin.hosts`` are instances."""
 
     def __init__(
         self,
+        member: Member = FLYTO_MLX,
         clock: Callable[[], float] = time.monotonic,
         accept: Callable[[Any], bool] | None = None,
     ) -> None:
         """``clock`` drives idle-step delays; ``accept(scheduler)`` limits the adapter to
         some schedulers (the others run exactly as if it were not there)."""
+        self.member = member
+        #: The adapter protocol's name and the module whose import means the host loads.
+        self.name = member.name
+        self.trigger_module = member.scheduler_module
         self._clock = clock
         self._accept = accept
         self._lock = threading.RLock()
@@ -127,7 +115,7 @@ class OmlxInstrumentor:
 
     def host_importable(self) -> bool:
         try:
-            return importlib.util.find_spec("omlx") is not None
+            return importlib.util.find_spec(self.member.package) is not None
         except (ImportError, ValueError):
             return False
 
@@ -136,31 +124,32 @@ class OmlxInstrumentor:
         return bool(self._originals)
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
-        """Wrap oMLX's scheduler and engine; True when attached (now or before). Hooks go
-        to ``pm``, by default the process plugin manager."""
+        """Wrap the member's scheduler and engine; True when attached (now or before).
+        Hooks go to ``pm``, by default the process plugin manager."""
+        member = self.member
         with self._lock:
             if self._originals:
                 return True
-            classes = {
-                "Scheduler": importlib.import_module("omlx.scheduler").Scheduler,
-                "EngineCore": importlib.import_module("omlx.engine_core").EngineCore,
-            }
-            version = _omlx_version()
-            if not version_supported(version):
+            classes = {"Scheduler": member.scheduler_class(), "EngineCore": member.engine_core_class()}
+            version = member.version()
+            if not version_supported(version, member):
                 log.warning(
-                    "mlx-recovery: oMLX %s is not supported (this adapter knows %s); "
-                    "not attaching", version, SUPPORTED_VERSIONS,
+                    "mlx-recovery: %s %s is not supported (this adapter knows %s); "
+                    "not attaching", member.label, version, member.versions,
                 )
                 return False
             wanted = [*FACTORIES, *(("Scheduler", n) for n in SCHEDULER_NEEDS)]
             missing = [f"{c}.{n}" for c, n in wanted if not hasattr(classes[c], n)]
+            missing += [name for name in (member.scheduler_output, member.buffer_lock) if not _resolves(member, name)]
             if missing:
-                log.warning("mlx-recovery: oMLX %s lacks %s; not attaching", version, ", ".join(missing))
+                log.warning(
+                    "mlx-recovery: %s %s lacks %s; not attaching", member.label, version, ", ".join(missing)
+                )
                 return False
             from ...plugins import HookEmitter, get_plugin_manager
 
             emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
-            self._life = Lifecycle(emitter, self._clock, self._accept)
+            self._life = Lifecycle(emitter, self._clock, self._accept, member=member)
             self.version = version
             originals: dict[str, Any] = {}
             for (cls_name, name), factory in FACTORIES.items():
@@ -174,8 +163,8 @@ class OmlxInstrumentor:
                 setattr(cls, name, wrapper)
             plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
             log.info(
-                "mlx-recovery: attached to oMLX %s (%d methods wrapped, no file changed); "
-                "plugins: %s", version, len(self._originals), ", ".join(plugins) or "none",
+                "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed); "
+                "plugins: %s", member.label, version, len(self._originals), ", ".join(plugins) or "none",
             )
             return True
 
@@ -194,22 +183,29 @@ class OmlxInstrumentor:
         if life is not None:
             for record in life.forget_all():
                 life.engine_shutdown(record)
-        log.info("mlx-recovery: detached from oMLX; original methods restored")
+        log.info("mlx-recovery: detached from %s; original methods restored", self.member.label)
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
-        """What the start-up hook waits for: the scheduler module (attach), and the
-        server module (admin routes on its app)."""
-        return {"omlx.scheduler": lambda _module: self.instrument(), "omlx.server": self.attach_admin}
+        """What the start-up hook waits for: the scheduler module (attach), and, where the
+        member has admin routes, the server module (routes on its app)."""
+        hooks: dict[str, Callable[[Any], None]] = {self.member.scheduler_module: lambda _module: self.instrument()}
+        if self.member.admin_auth is not None:
+            hooks[self.member.server_module] = self.attach_admin
+        return hooks
 
     def attach_admin(self, server_module: Any) -> bool:
-        """Add the recovery admin routes to ``omlx.server.app`` (after ``instrument()``)."""
+        """Add the recovery admin routes to the server module's ``app`` (after
+        ``instrument()``), behind the member's admin authentication."""
         life = self._life
         app = getattr(server_module, "app", None)
-        if life is None or app is None:
+        if life is None or app is None or self.member.admin_auth is None:
             return False
         from .admin import attach_admin_routes
 
-        return attach_admin_routes(app, life.emitter.pm, on_budget_change=lambda _pct: self.wake())
+        return attach_admin_routes(
+            app, life.emitter.pm, on_budget_change=lambda _pct: self.wake(),
+            auth=self.member.resolve(self.member.admin_auth),
+        )
 
     # -- engines ---------------------------------------------------------------------
 
@@ -259,9 +255,12 @@ def _plugin_label(name: str, plugin: object) -> str:
     return type(plugin).__name__ if name == str(id(plugin)) else name
 
 
-def _omlx_version() -> str:
-    module = sys.modules.get("omlx._version") or importlib.import_module("omlx._version")
-    return str(getattr(module, "__version__", "0"))
+def _resolves(member: Member, dotted: str) -> bool:
+    try:
+        member.resolve(dotted)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def iter_wrapped(classes: Iterable[type]) -> list[str]:

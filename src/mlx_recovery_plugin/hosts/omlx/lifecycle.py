@@ -29,6 +29,7 @@ from ...events import (
     SparseRouteServed,
 )
 from .idle_driver import IdleDriver
+from .members import FLYTO_MLX, Member
 
 if TYPE_CHECKING:  # both pull MLX in; the start-up hook loads this module before oMLX
     from ...plugins import HookEmitter
@@ -71,8 +72,11 @@ class Lifecycle:
         emitter: HookEmitter,
         clock: Callable[[], float],
         accept: Callable[[Any], bool] | None = None,
+        member: Member = FLYTO_MLX,
     ) -> None:
         self.emitter = emitter
+        #: The family member whose scheduler this instrumentation wraps.
+        self.member = member
         self._clock = clock
         self._accept = accept
         self._lock = threading.Lock()
@@ -118,10 +122,12 @@ class Lifecycle:
         from .ports import OmlxEngine, model_id_of
 
         engine_id = self._engine_ids.get(scheduler) or (
-            f"omlx-{model_id_of(scheduler)}-{next(self._counter)}"
+            f"{self.member.name}-{model_id_of(scheduler)}-{next(self._counter)}"
         )
         box: list[EngineRecord] = []
-        port = OmlxEngine(scheduler, engine_id, pending_arrivals=lambda: box[0].pending_arrivals)
+        port = OmlxEngine(
+            scheduler, engine_id, pending_arrivals=lambda: box[0].pending_arrivals, member=self.member
+        )
         record = EngineRecord(engine_id, port, IdleDriver(self._clock))
         box.append(record)
         return record
@@ -224,7 +230,7 @@ class Lifecycle:
             return None  # not sparse, or its sparse prefill never completed
         tokens = tuple(int(t) for t in (request.prompt_token_ids or ()))
         start = min(int(getattr(request, "cached_tokens", 0) or 0), len(tokens))
-        threshold, keep = sparse_route_settings(request)
+        threshold, keep = sparse_route_settings(request, self.member)
         with record.lock:
             live = record.live.get(request_id)
             began = live.arrived_at if live is not None else None
@@ -321,15 +327,12 @@ class Lifecycle:
             return None
 
 
-def sparse_route_settings(request: Any) -> tuple[int | None, float | None]:
-    """The threshold and keep share oMLX applies to ``request``'s sparse route: the
-    request's own values, else oMLX's defaults (None where this version has none)."""
-    try:
-        from omlx.patches.specprefill import DEFAULT_KEEP_RATE, DEFAULT_THRESHOLD
-    except Exception:  # noqa: BLE001 - another layout: only the request's own values
-        DEFAULT_KEEP_RATE, DEFAULT_THRESHOLD = None, None
-    threshold = getattr(request, "_specprefill_threshold", None) or DEFAULT_THRESHOLD
-    keep = getattr(request, "_specprefill_keep_pct", None) or DEFAULT_KEEP_RATE
+def sparse_route_settings(request: Any, member: Member = FLYTO_MLX) -> tuple[int | None, float | None]:
+    """The threshold and keep share the host applies to ``request``'s sparse route: the
+    request's own values, else the member's defaults (None where this version has none)."""
+    default_threshold, default_keep = member.sparse_defaults()
+    threshold = getattr(request, "_specprefill_threshold", None) or default_threshold
+    keep = getattr(request, "_specprefill_keep_pct", None) or default_keep
     return (
         int(threshold) if threshold is not None else None,
         float(keep) if keep is not None else None,

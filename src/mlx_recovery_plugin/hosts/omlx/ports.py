@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ from ...kvcodec import UnsupportedCacheError
 from ...ports import HOLDER_PREFIX, FetchedPrefix
 from ...state import BlockState
 from .codec import blocks_of_restored, cache_of_block
+from .members import Member, member_of
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,10 @@ class _Held:
 class OmlxPrefixCache:
     """:class:`~mlx_recovery_plugin.ports.PrefixCachePort` over ``block_aware_cache``."""
 
-    def __init__(self, scheduler: Any, engine_id: str) -> None:
+    def __init__(self, scheduler: Any, engine_id: str, member: Member | None = None) -> None:
         self._scheduler = weakref.ref(scheduler)
         self._engine_id = engine_id
+        self._member = member or member_of(scheduler)
         self._lock = threading.Lock()
         self._held: dict[str, list[_Held]] = {}
         self._fallback_block_size = int(scheduler.config.paged_cache_block_size)
@@ -173,7 +174,7 @@ class OmlxPrefixCache:
                 )
         if not blocks:
             return self.stored_tokens(prefix)
-        with host_buffer_lock(scheduler):
+        with host_buffer_lock(self._member):
             return self._store_blocks(scheduler, cache, holder_id, prefix, blocks, first)
 
     def _store_blocks(
@@ -250,11 +251,11 @@ class OmlxPrefixCache:
         cache.clear_request_entry(table_id)
 
 
-def host_buffer_lock(scheduler: Any) -> Any:
-    """oMLX's lock around its cache writer's reads of MLX buffers (re-entrant). Holding it
-    while storing keeps our writes and its worker's from interleaving."""
-    module = sys.modules.get(type(scheduler).__module__)
-    lock = getattr(module, "_mx_buffer_access_lock", None)
+def host_buffer_lock(member: Member | None) -> Any:
+    """The host's lock around its cache writer's reads of MLX buffers (re-entrant; where it
+    lives is the member's data). Holding it while storing keeps our writes and its
+    worker's from interleaving."""
+    lock = member.host_buffer_lock() if member is not None else None
     return lock if lock is not None else nullcontext()
 
 
@@ -267,12 +268,14 @@ class OmlxEngine:
     them. ``pending_arrivals`` is that count, kept by the instrumentor.
     """
 
-    def __init__(self, scheduler: Any, engine_id: str, pending_arrivals: Any = None) -> None:
+    def __init__(
+        self, scheduler: Any, engine_id: str, pending_arrivals: Any = None, member: Member | None = None
+    ) -> None:
         self._scheduler = weakref.ref(scheduler)
         self._engine_id = engine_id
         self._model_id = model_id_of(scheduler)
         self._model = OmlxModel(scheduler, self._model_id)
-        self._prefix_cache = OmlxPrefixCache(scheduler, engine_id)
+        self._prefix_cache = OmlxPrefixCache(scheduler, engine_id, member)
         self._prefill_step = int(scheduler.config.prefill_step_size)
         self._pending_arrivals = pending_arrivals or (lambda: 0)
         #: Set by the instrumentor while a real ``step()`` runs.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -71,9 +70,8 @@ def scheduler_has_requests(life: Lifecycle, original: Fn, originals: Mapping[str
 
 def scheduler_step(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
     host_has_requests = originals["Scheduler.has_requests"]
-    host_module = sys.modules[original.__module__]
-    output_type = host_module.SchedulerOutput  # what an idle step returns
-    buffer_lock = getattr(host_module, "_mx_buffer_access_lock", None)
+    output_type = life.member.resolve(life.member.scheduler_output)  # what an idle step returns
+    buffer_lock = life.member.host_buffer_lock()
 
     def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
