@@ -56,3 +56,29 @@ def omlx_member(request: pytest.FixtureRequest) -> Any:
     if not member_installed(member):
         pytest.skip(f"{member.distribution} (import {member.package}) is not installed; CI installs it in its own environment")
     return member
+
+
+# fusion-mlx keeps the MLX executor of every closed engine alive for the life of the
+# process ("immortal": its thread-local MLX stream cannot be torn down safely). At
+# interpreter exit those threads are torn down anyway, and once an engine has stepped on
+# one, the process can abort (std::terminate, exit 134) after every test has passed: no
+# plugin needed (reproduced with the plugin detached). Where such executors exist, the
+# session ends as fusion-mlx's own server does, with os._exit and pytest's exit status.
+_exit_status: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import os
+    import sys
+
+    engine_core = sys.modules.get("fusion_mlx.engine_core")
+    if engine_core is None or not getattr(engine_core, "_immortal_mlx_executors", None) or not _exit_status:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status[-1])
