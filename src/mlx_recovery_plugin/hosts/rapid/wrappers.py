@@ -55,6 +55,8 @@ def scheduler_has_requests(life: Lifecycle, original: Fn, originals: Mapping[str
     def has_requests(scheduler: Any) -> bool:
         if original(scheduler):
             return True
+        if getattr(life.local, "plain_has_requests", False):
+            return False  # rapid-mlx asking itself (clear_prefix_cache): requests only
         record = life.get(scheduler)
         if record is None:
             return False
@@ -193,7 +195,12 @@ def scheduler_clear_prefix_cache(life: Lifecycle, original: Fn, originals: Mappi
     recovery published is gone, so its jobs are told, once the clear happened."""
 
     def clear_prefix_cache(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        cleared = original(scheduler, *args, **kwargs)
+        # It refuses while has_requests() says yes; a wanted idle step is no request.
+        life.local.plain_has_requests = True
+        try:
+            cleared = original(scheduler, *args, **kwargs)
+        finally:
+            life.local.plain_has_requests = False
         record = life.get(scheduler)
         if record is not None and cleared:
             life.engine_reset(record, deep=True)
