@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...runner.blas import add_openblas_flag, maybe_reexec
+from .hosts import HOSTS
 from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
 from .sessions import DEFAULT_CURVE, SESSION_NAMES
 
@@ -25,6 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "on + recovery attached by environment variables), drive agent sessions with the OpenAI "
         "SDK, and report per-turn cached tokens and time to first token.",
     )
+    p.add_argument("--host", choices=sorted(HOSTS), default="omlx",
+                   help="the server: omlx (SpecPrefill) or rapid (rapid-mlx, PFlash on the uncached basis)")
+    p.add_argument("--pflash-threshold", type=int, default=None,
+                   help="rapid: PFlash threshold in uncached tokens (default 4096: the first turn crosses it, "
+                   "an appended turn does not)")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, the agent session, 3 turns, 10 s think")
     p.add_argument("--sessions", nargs="+", choices=SESSION_NAMES, help="sessions to run (default: all; --quick: agent)")
     p.add_argument("--think-time", type=float, default=None, help="idle seconds between turns (default 30; --quick 10)")
@@ -59,6 +65,9 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         config.shape = dataclasses.replace(config.shape, turns=3)
         config.curve = (5.0, 10.0)
         config.balance_repeats = 1
+    host = HOSTS[getattr(args, "host", "omlx")]
+    threshold = getattr(args, "pflash_threshold", None)
+    config.host = host if threshold is None else dataclasses.replace(host, pflash_threshold=threshold)
     if args.target:
         config.target = parse_target(args.target)
     if args.model_dir:

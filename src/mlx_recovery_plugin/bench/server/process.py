@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from ...recovery.control_paths import SOCKET_DIR_NAME, SOCKET_SUFFIX
+from .hosts import OMLX, ServerHost, serve_argv
 
 HOST = "127.0.0.1"
 ADMIN_STATUS_ROUTE = "/admin/api/recovery/status"
@@ -76,12 +77,23 @@ def check_port_free(port: int) -> None:
 
 def omlx_command() -> list[str]:
     """The ``omlx`` console script of this environment (else the one on PATH)."""
-    here = Path(sys.executable).parent / "omlx"
-    found = str(here) if here.is_file() else shutil.which("omlx")
+    return console_script(OMLX)
+
+
+def host_command(host: ServerHost) -> list[str]:
+    """The serve command of ``host``."""
+    return omlx_command() if host.name == OMLX.name else console_script(host)
+
+
+def console_script(host: ServerHost) -> list[str]:
+    """The host's console script (``omlx``, ``rapid-mlx``) of this environment (else the
+    one on PATH)."""
+    here = Path(sys.executable).parent / host.command
+    found = str(here) if here.is_file() else shutil.which(host.command)
     if found is None:
         raise ServerStartError(
-            "no `omlx` command: install flyto-mlx (oMLX) into this environment "
-            "(see tests/omlx-requirements.txt and .ci/run)"
+            f"no `{host.command}` command: install {host.distribution} into this environment "
+            "(see tests/*-requirements.txt and .ci/run)"
         )
     return [found]
 
@@ -141,16 +153,15 @@ class ServerSpec:
     command: list[str] | None = None
     start_timeout_s: float = 180.0
     expect_plugin: bool = False
+    host: ServerHost = OMLX
+    model_id: str = ""  # the target's directory name (rapid-mlx serves one model)
+    sparse: bool = True  # rapid-mlx: PFlash on (oMLX: model_settings.json says)
 
     def argv(self, port: int) -> list[str]:
-        return [
-            *(self.command or omlx_command()), "serve",
-            "--model-dir", str(self.model_dir),
-            "--base-path", str(self.base_path),
-            "--paged-ssd-cache-dir", str(self.cache_dir),
-            "--host", HOST,
-            "--port", str(port),
-        ]
+        return serve_argv(
+            self.host, self.command or host_command(self.host), model_dir=self.model_dir, model_id=self.model_id,
+            base_path=self.base_path, cache_dir=self.cache_dir, bind=HOST, port=port, sparse=self.sparse,
+        )
 
 
 _live: set[ServerProcess] = set()
@@ -200,7 +211,7 @@ class ServerProcess:
         check_port_free(self.port)
         env = {**os.environ, **self.spec.env}
         if self.spec.expect_plugin and self.spec.command is None:
-            script = omlx_command()[0]
+            script = host_command(self.spec.host)[0]
             python = script_python(script)
             hook, dirs = find_startup_hook(python, env)
             if hook is None:

@@ -26,6 +26,7 @@ from ...recovery.control import ControlError, request
 from ...testing.tiny_model import TinyModelSpec
 from . import sessions as sessions_mod
 from .client import make_client, send_turn
+from .hosts import OMLX, ServerHost, arm_env
 from .models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelPair, check_models, write_model_settings, write_models
 from .process import PluginNotAttachedError, ServerProcess, ServerSpec
 from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, status_figures
@@ -52,6 +53,7 @@ class BenchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     balance_repeats: int = 3
     start_timeout_s: float = 180.0
+    host: ServerHost = OMLX
 
 
 def _private_dir(path: Path) -> Path:
@@ -72,12 +74,14 @@ def fresh_dir(path: Path) -> Path:
 def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> ServerSpec:
     base = root / "base"
     write_model_settings(base, pair, sparse=arm != "sparse_off")
-    env = {"MLX_RECOVERY_ENABLE": "0", **config.extra_env}
+    env = {"MLX_RECOVERY_ENABLE": "0", **arm_env(config.host, root), **config.extra_env}
+    # rapid-mlx may name the model by its path: opt both names in.
+    models = {name: {"enabled": True} for name in (pair.target_id, str(pair.target_path))}
     if arm == "sparse_recovery":
         env.update({
             "MLX_RECOVERY_ENABLE": "1",
             "MLX_RECOVERY_BUDGET_PCT": f"{config.budget_pct:g}",
-            "MLX_RECOVERY_MODELS": json.dumps({pair.target_id: {"enabled": True}}),
+            "MLX_RECOVERY_MODELS": json.dumps(models),
             "MLX_RECOVERY_CONTROL_SOCKET": "",
             "XDG_RUNTIME_DIR": str(_private_dir(root / "runtime")),
         })
@@ -86,7 +90,8 @@ def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> 
     return ServerSpec(
         model_dir=pair.model_dir, base_path=base, cache_dir=fresh_dir(root / "cache"), log_path=root / "server.log",
         port=config.port, env=env, expect_plugin=arm == "sparse_recovery",
-        start_timeout_s=config.start_timeout_s,
+        start_timeout_s=config.start_timeout_s, host=config.host, model_id=pair.target_id,
+        sparse=arm != "sparse_off",
     )
 
 
@@ -119,9 +124,12 @@ def run_arm(
         progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
         client = make_client(server.base_url)
         # Load the model (and the draft) before the clock runs: oMLX loads on first use.
-        send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1)
+        zero = config.host.omits_zero_cached
+        send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1,
+                  absent_cached_is_zero=zero)
         for index, step in enumerate(session.steps):
-            measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens)
+            measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
+                                absent_cached_is_zero=zero)
             last = index == len(session.steps) - 1
             wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
             progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
@@ -161,7 +169,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
 
     pair = _pair(config, progress)
     report = BenchReport(
-        target=pair.target_id, draft=pair.draft_id, host=_host_version(),
+        target=pair.target_id, draft=pair.draft_id, host=_host_version(config.host),
         blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
@@ -212,10 +220,12 @@ def _server_preload() -> str:
     return f"; the servers inherit LD_PRELOAD={preload}" if preload else ""
 
 
-def _host_version() -> str:
+def _host_version(host: ServerHost = OMLX) -> str:
     try:
         from importlib.metadata import version
 
-        return f"oMLX (flyto-mlx {version('flyto-mlx')})"
+        found = version(host.distribution)
     except Exception:  # noqa: BLE001 - only a label
-        return "oMLX (version unknown)"
+        found = "version unknown"
+    extra = f", PFlash auto, uncached basis, threshold {host.pflash_threshold}" if host.name == "rapid" else ""
+    return f"{host.label} ({host.distribution} {found}{extra})"

@@ -1,0 +1,71 @@
+"""The servers the bench can drive: each a serve command, its flags for the sparse route
+on or off, and its environment. Data, as far as possible; one entry per host.
+
+* ``omlx``: ``omlx serve`` (flyto-mlx); SpecPrefill is switched on per model in
+  ``model_settings.json`` (written by :mod:`.models`), the plugin's admin route proves
+  attachment.
+* ``rapid``: ``rapid-mlx serve <model path>``; PFlash ``auto`` with the ``uncached``
+  threshold basis (``--pflash off`` in the sparse-off arm), telemetry off, ``HOME`` per
+  arm so rapid-mlx's persisted prefix cache (``~/.cache/rapid-mlx``) never carries one
+  arm's entries into the next. rapid-mlx has no admin route of ours: attachment is proven
+  by the control socket after the first request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(slots=True, frozen=True)
+class ServerHost:
+    """One kind of server. ``command``: its console script; ``distribution``: the PyPI
+    name its version is read from; ``admin_route``: whether the plugin adds its admin
+    routes there (the attachment check)."""
+
+    name: str
+    label: str
+    command: str
+    distribution: str
+    admin_route: bool
+    env: dict[str, str] = field(default_factory=dict)
+    #: The server leaves ``prompt_tokens_details`` out when nothing was cached (rapid-mlx
+    #: does); otherwise a missing figure is an error, never a 0.
+    omits_zero_cached: bool = False
+    #: rapid-mlx: the PFlash threshold (uncached tokens); the session's first turn must
+    #: cross it and its later appends must not.
+    pflash_threshold: int = 4096
+
+
+OMLX = ServerHost("omlx", "oMLX", "omlx", "flyto-mlx", admin_route=True)
+RAPID = ServerHost(
+    "rapid", "rapid-mlx", "rapid-mlx", "rapid-mlx", admin_route=False, env={"RAPID_MLX_TELEMETRY": "0"},
+    omits_zero_cached=True,
+)
+HOSTS = {host.name: host for host in (OMLX, RAPID)}
+
+
+def serve_argv(host: ServerHost, command: list[str], *, model_dir: Path, model_id: str, base_path: Path,
+               cache_dir: Path, bind: str, port: int, sparse: bool) -> list[str]:
+    """The serve command line of ``host`` for one arm."""
+    if host.name == "rapid":
+        return [
+            *command, "serve", str(model_dir / model_id), "--served-model-name", model_id,
+            "--host", bind, "--port", str(port),
+            "--pflash", "auto" if sparse else "off",
+            "--pflash-threshold", str(host.pflash_threshold), "--pflash-threshold-basis", "uncached",
+        ]
+    return [
+        *command, "serve", "--model-dir", str(model_dir), "--base-path", str(base_path),
+        "--paged-ssd-cache-dir", str(cache_dir), "--host", bind, "--port", str(port),
+    ]
+
+
+def arm_env(host: ServerHost, root: Path) -> dict[str, str]:
+    """What ``host`` needs in every arm's environment (under the arm's directory ``root``)."""
+    env = dict(host.env)
+    if host.name == "rapid":
+        home = root / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        env["HOME"] = str(home)
+    return env
