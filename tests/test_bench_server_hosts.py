@@ -36,6 +36,7 @@ def test_rapid_arms_switch_pflash_on_the_uncached_basis_and_isolate_the_persiste
         assert flag(a, "--pflash-threshold-basis") == "uncached"
         assert flag(a, "--pflash-threshold") == str(RAPID.pflash_threshold)
         assert flag(a, "--served-model-name") == "target"
+        assert flag(a, "--pflash-min-keep-tokens") == "512"  # else a 9k prompt is never compressed
     homes = {spec.env["HOME"] for spec in (off, on, rec)}
     assert len(homes) == 3  # no arm reads another's ~/.cache/rapid-mlx
     assert all(spec.env["RAPID_MLX_TELEMETRY"] == "0" for spec in (off, on, rec))

@@ -35,6 +35,12 @@ class ServerHost:
     #: rapid-mlx: the PFlash threshold (uncached tokens); the session's first turn must
     #: cross it and its later appends must not.
     pflash_threshold: int = 4096
+    #: rapid-mlx: PFlash's fixed budgets, scaled like the threshold (4,096 of 32,768) to
+    #: the bench's ~9k-token sessions; at their defaults (keep >= 2,048, tail 2,048, sink
+    #: 256) a 9k prompt leaves no middle to drop and is not compressed at all.
+    pflash_flags: tuple[str, ...] = (
+        "--pflash-min-keep-tokens", "512", "--pflash-tail-tokens", "512", "--pflash-sink-tokens", "64",
+    )
 
 
 OMLX = ServerHost("omlx", "oMLX", "omlx", "flyto-mlx", admin_route=True)
@@ -54,6 +60,7 @@ def serve_argv(host: ServerHost, command: list[str], *, model_dir: Path, model_i
             "--host", bind, "--port", str(port),
             "--pflash", "auto" if sparse else "off",
             "--pflash-threshold", str(host.pflash_threshold), "--pflash-threshold-basis", "uncached",
+            *host.pflash_flags,
         ]
     return [
         *command, "serve", "--model-dir", str(model_dir), "--base-path", str(base_path),

@@ -252,7 +252,10 @@ class ServerProcess:
 
     def _check_attached(self) -> None:
         """The plugin's admin route exists (401 without an admin session) only when the
-        start-up hook attached the plugin to this server."""
+        start-up hook attached the plugin to this server. A host without those routes is
+        checked by its control socket after the first request instead."""
+        if not self.spec.host.admin_route:
+            return
         status = self._http_status(ADMIN_STATUS_ROUTE)
         if status == 404:
             raise PluginNotAttachedError(
