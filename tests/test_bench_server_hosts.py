@@ -39,6 +39,9 @@ def test_rapid_arms_switch_pflash_on_the_uncached_basis_and_isolate_the_persiste
         assert flag(a, "--pflash-min-keep-tokens") == "512"  # else a 9k prompt is never compressed
     homes = {spec.env["HOME"] for spec in (off, on, rec)}
     assert len(homes) == 3  # no arm reads another's ~/.cache/rapid-mlx
+    saved = Path(rec.env["HOME"]) / ".cache" / "rapid-mlx" / "prefix_cache"
+    saved.mkdir(parents=True)  # what rapid-mlx leaves at shutdown
+    assert not any(Path(spec_for(tmp_path, "sparse_recovery").env["HOME"]).iterdir())  # a reused workdir starts empty
     assert all(spec.env["RAPID_MLX_TELEMETRY"] == "0" for spec in (off, on, rec))
     assert [spec.env["MLX_RECOVERY_ENABLE"] for spec in (off, on, rec)] == ["0", "0", "1"]
     assert "target" in json.loads(rec.env["MLX_RECOVERY_MODELS"])

@@ -13,6 +13,7 @@ on or off, and its environment. Data, as far as possible; one entry per host.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,7 +73,11 @@ def arm_env(host: ServerHost, root: Path) -> dict[str, str]:
     """What ``host`` needs in every arm's environment (under the arm's directory ``root``)."""
     env = dict(host.env)
     if host.name == "rapid":
+        # rapid-mlx saves its prefix cache under ~/.cache at shutdown and loads it at start:
+        # a fresh, empty home per arm, also in a reused --workdir.
         home = root / "home"
-        home.mkdir(parents=True, exist_ok=True)
+        if home.exists():
+            shutil.rmtree(home)
+        home.mkdir(parents=True)
         env["HOME"] = str(home)
     return env
