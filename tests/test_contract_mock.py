@@ -15,7 +15,6 @@ from mlx_recovery_plugin.testing import MockEngine, MockHost, RequestResult
 from mlx_recovery_plugin.testing.contract import (
     ContractHost,
     HostContractSuite,
-    PublicationTests,
     ThreadedContractHost,
 )
 
@@ -102,7 +101,7 @@ class MockContractHost:
         return self.host.wait(request_id, timeout)
 
 
-class TestMockHostContract(HostContractSuite, PublicationTests):
+class TestMockHostContract(HostContractSuite):
     """Both kinds of prefix cache: oMLX's paged blocks and rapid-mlx's whole entries."""
 
     @pytest.fixture(params=["paged", "entries"])

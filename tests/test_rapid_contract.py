@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("RAPID_MLX_TELEMETRY", "0")
 pytest.importorskip("rapid_mlx.scheduler", reason="rapid-mlx is not installed; CI installs it in .venv-rapid")
 
-from mlx_recovery_plugin.testing.contract import HostContractSuite, PublicationTests, ThreadedContractHost
+from mlx_recovery_plugin.testing.contract import HostContractSuite, ThreadedContractHost
 from mlx_recovery_plugin.testing.rapid_host import RapidContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
@@ -23,7 +23,7 @@ def models(tiny_llama_dir: Path) -> tuple[Any, Any]:
     return load_tiny_model(tiny_llama_dir)
 
 
-class TestRapidHostContract(HostContractSuite, PublicationTests):
+class TestRapidHostContract(HostContractSuite):
     @pytest.fixture
     def contract_host(self, models: tuple[Any, Any]) -> Iterator[RapidContractHost]:
         model, tokenizer = models

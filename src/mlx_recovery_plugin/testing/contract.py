@@ -5,10 +5,9 @@ How to use it, in the style of pandas' extension tests or zarr's ``StoreTests``:
 1. Write a small adapter that satisfies :class:`ContractHost` for your host: one engine
    under test, driven synchronously from the test's thread (and, if you can, threaded).
 2. Subclass :class:`HostContractSuite` (or only the parts you want: :class:`EventOrderTests`,
-   :class:`ReferenceBalanceTests`, :class:`WholeBlockStoreTests`, :class:`IdleTests`,
-   :class:`ThreadedTests`; :class:`PublicationTests`, which stores through the port as
-   recovery does, is not part of :class:`HostContractSuite` and is added explicitly) in a test module and give it a ``contract_host`` fixture that
-   returns a fresh adapter and closes it afterwards::
+   :class:`ReferenceBalanceTests`, :class:`WholeBlockStoreTests`, :class:`PublicationTests`,
+   :class:`IdleTests`, :class:`ThreadedTests`) in a test module and give it a
+   ``contract_host`` fixture that returns a fresh adapter and closes it afterwards::
 
        from mlx_recovery_plugin.testing.contract import HostContractSuite
 
@@ -468,7 +467,7 @@ class PublicationTests(_ContractBase):
 
 
 class HostContractSuite(
-    EventOrderTests, ReferenceBalanceTests, WholeBlockStoreTests, IdleTests, ThreadedTests
+    EventOrderTests, ReferenceBalanceTests, WholeBlockStoreTests, PublicationTests, IdleTests, ThreadedTests
 ):
     """The whole host contract; subclass it and supply ``contract_host``."""
 
