@@ -8,7 +8,8 @@ asks for PFlash with ``sparse=True``; the others are sent with
 ``requires_prompt_integrity`` (rapid-mlx's own per-request PFlash opt-out).
 
 Synchronous driving steps the scheduler on the calling thread the way the engine loop
-does (``step()`` while it has work); idle driving calls ``step()`` while the wrapped
+does (``step()`` while it has work); a failure is injected by making the next generation
+step raise; idle driving calls ``step()`` while the wrapped
 ``has_requests()`` says an idle step is wanted. Threaded driving runs the real engine
 loop on an event-loop thread, every step on rapid-mlx's own ``mlx-step`` thread.
 
@@ -65,7 +66,7 @@ class RapidContractHost:
 
     supports_sparse_route = True
     supports_abort_all = False  # rapid-mlx has no abort-all of its own
-    supports_fail_all = False  # its generation-error recovery is not reachable from outside
+    supports_fail_all = True  # a step that raises: rapid-mlx fails every running request
     supports_threads = True
 
     def __init__(
@@ -200,8 +201,16 @@ class RapidContractHost:
     def abort_all(self) -> None:  # pragma: no cover - supports_abort_all is False
         raise NotImplementedError
 
-    def fail_all(self, error: str) -> None:  # pragma: no cover - supports_fail_all is False
-        raise NotImplementedError
+    def fail_all(self, error: str) -> None:
+        """Make the next generation step raise ``error``; rapid-mlx then does what it does
+        on a real one (``_recover_from_generation_error``: every running request fails)."""
+        scheduler = self.scheduler
+
+        def raise_once() -> Any:
+            del scheduler._apply_adaptive_prefill_size  # back to the class's method
+            raise RuntimeError(error)
+
+        scheduler._apply_adaptive_prefill_size = raise_once
 
     def reset(self, deep: bool = False) -> None:
         if deep:

@@ -145,11 +145,16 @@ def scheduler_do_abort_request(life: Lifecycle, original: Fn, originals: Mapping
 
 
 def scheduler_recover_from_generation_error(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """rapid-mlx calls it from inside ``step()``'s ``except`` block: the step's error is
+    the exception being handled."""
+
     def _recover_from_generation_error(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        handling = sys.exc_info()[1]
         failed = original(scheduler, *args, **kwargs)
         record = life.get(scheduler)
         if record is not None:
-            life.engine_failed_all(record, FAILED_ALL_ERROR)
+            error = f"{type(handling).__name__}: {handling}" if handling is not None else FAILED_ALL_ERROR
+            life.engine_failed_all(record, error)
             for rid in list(failed or ()):
                 life.safe(life.depart, record, rid, DepartureReason.FAILED)
         return failed
