@@ -9,6 +9,9 @@ What it imitates, because the plugin depends on it:
   back and ``request_departed`` is emitted;
 * a **dense route** that restores the longest stored whole-block prefix, prefills the
   rest in ``prefill_step`` chunks, stores the prompt's whole blocks and decodes greedily;
+* a prefix cache of either kind (``cache_kind``): ``"paged"``, oMLX's refcounted blocks
+  with chained hashes, or ``"entries"``, rapid-mlx's whole entries (the prompt's whole
+  blocks stored as one entry, restored prefix included);
 * a **sparse route** (SpecPrefill-like) for requests that ask for it when the engine has
   a draft model and the uncached part exceeds ``sparse_threshold``: it runs alone, the
   draft model reads the whole uncached range to score it, the target prefills only the
