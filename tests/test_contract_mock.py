@@ -12,7 +12,11 @@ import pytest
 
 from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.testing import MockEngine, MockHost, RequestResult
-from mlx_recovery_plugin.testing.contract import ContractHost, HostContractSuite, ThreadedContractHost
+from mlx_recovery_plugin.testing.contract import (
+    ContractHost,
+    HostContractSuite,
+    ThreadedContractHost,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -27,11 +31,12 @@ class MockContractHost:
     supports_fail_all = True
     supports_threads = True
 
-    def __init__(self, model_dir: Path, draft_dir: Path) -> None:
+    def __init__(self, model_dir: Path, draft_dir: Path, cache_kind: str = "paged") -> None:
         self.host = MockHost(make_plugin_manager(entry_points_too=False))
         self._engine = self.host.add_engine(
             "contract", model_dir, block_size=BLOCK, prefill_step=32,
             draft_model_dir=draft_dir, sparse_threshold=2 * BLOCK, model_id="tiny/llama-1.0",
+            cache_kind=cache_kind,
         )
 
     @property
@@ -97,9 +102,13 @@ class MockContractHost:
 
 
 class TestMockHostContract(HostContractSuite):
-    @pytest.fixture
-    def contract_host(self, tiny_llama_dir: Path, tiny_draft_dir: Path) -> Iterator[MockContractHost]:
-        host = MockContractHost(tiny_llama_dir, tiny_draft_dir)
+    """Both kinds of prefix cache: oMLX's paged blocks and rapid-mlx's whole entries."""
+
+    @pytest.fixture(params=["paged", "entries"])
+    def contract_host(
+        self, request: pytest.FixtureRequest, tiny_llama_dir: Path, tiny_draft_dir: Path
+    ) -> Iterator[MockContractHost]:
+        host = MockContractHost(tiny_llama_dir, tiny_draft_dir, cache_kind=request.param)
         yield host
         host.host.stop()
 

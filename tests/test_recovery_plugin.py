@@ -92,8 +92,15 @@ class Rig:
 
 
 
+@pytest.fixture(params=["paged", "entries"])
+def cache_kind(request: pytest.FixtureRequest) -> str:
+    """Every recovery test runs on both kinds of prefix cache: oMLX's paged blocks and
+    rapid-mlx's whole entries."""
+    return str(request.param)
+
+
 @pytest.fixture
-def make_rig(loaded):
+def make_rig(loaded, cache_kind):
     rigs: list[Rig] = []
     model, tokenizer, draft = loaded
 
@@ -119,7 +126,7 @@ def make_rig(loaded):
         for engine_id in engines:
             host.add_engine(
                 engine_id, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL,
-                block_size=B, prefill_step=STEP, sparse_threshold=16,
+                block_size=B, prefill_step=STEP, sparse_threshold=16, cache_kind=cache_kind,
             )
         rigs.append(rig)
         return rig

@@ -17,6 +17,7 @@ import pytest
 
 from mlx_recovery_plugin.bench.server import process
 from mlx_recovery_plugin.bench.server.client import MissingMeasurementError, send_turn
+from mlx_recovery_plugin.bench.server.hosts import FUSION, family_host
 from mlx_recovery_plugin.bench.server.models import ModelDirError, ModelPair, check_models, parse_target
 from mlx_recovery_plugin.bench.server.process import (
     PluginNotAttachedError,
@@ -123,7 +124,7 @@ def test_a_server_without_the_plugin_routes_is_explained_and_stopped(fake_server
 
 
 def test_a_missing_startup_hook_is_found_before_start_and_the_fix_is_given(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(process, "omlx_command", lambda member=None: [sys.executable])
+    monkeypatch.setattr(process, "host_command", lambda host: [sys.executable])
     monkeypatch.setattr(process, "find_startup_hook", lambda python, env: (None, ["/venv/site-packages"]))
     spec = ServerSpec(tmp_path, tmp_path / "b", tmp_path / "c", tmp_path / "log", expect_plugin=True)
     server = ServerProcess(spec)
@@ -233,7 +234,8 @@ def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_p
 
     pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
                         TinyModelSpec(arch="llama", num_layers=1, seed=7))
-    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always", member=member)
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always",
+                         host=family_host(member))
     session = sessions.agent(sessions.Shape(turns=2), think_s=8.0)
     lines: list[str] = []
     off = run_arm(config, pair, session, "sparse_off", tmp_path / "off", lines.append)
@@ -256,7 +258,7 @@ def test_each_member_is_started_with_its_own_command_environment_and_settings(tm
     from mlx_recovery_plugin.bench.server.models import write_model_settings
 
     spec = ServerSpec(tmp_path / "m", tmp_path / "b", tmp_path / "c", tmp_path / "log",
-                      command=["fusion-mlx"], member=FUSION_MLX)
+                      command=["fusion-mlx"], host=FUSION)
     assert spec.argv(8123) == ["fusion-mlx", "serve", "--model-dir", str(tmp_path / "m"), "--enable-prefix-cache",
                                "--host", "127.0.0.1", "--port", "8123"]
     env = spec.environment()

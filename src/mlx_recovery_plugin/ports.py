@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 from .state import BlockState
@@ -52,7 +53,11 @@ class ModelHandle(Protocol):
 
 @runtime_checkable
 class PrefixCachePort(Protocol):
-    """The host's prefix cache, through its own fetch / release / store path."""
+    """The host's prefix cache, through its own fetch / release / store path.
+
+    This is the paged form (:attr:`StoreUnit.BLOCKS`); a cache of whole entries says so
+    with a ``store_unit`` property (:class:`WholeEntryCachePort`).
+    """
 
     @property
     def block_size(self) -> int: ...
@@ -74,6 +79,45 @@ class PrefixCachePort(Protocol):
         Returns the number of leading tokens of ``tokens`` the cache now holds. Stores no
         partial block, and takes no reference that outlives the call.
         """
+
+
+class StoreUnit(str, Enum):
+    """What a host's prefix cache stores and finds.
+
+    ``BLOCKS``: fixed-size blocks keyed by a chained hash (oMLX's paged cache); a store
+    adds the trailing blocks of a prefix whose earlier blocks are already stored.
+    ``WHOLE_ENTRY``: one entry per stored token sequence, holding the state of all of
+    it (rapid-mlx's memory-aware cache); a store carries every block of the prefix.
+    """
+
+    BLOCKS = "blocks"
+    WHOLE_ENTRY = "whole_entry"
+
+
+@runtime_checkable
+class WholeEntryCachePort(PrefixCachePort, Protocol):
+    """A prefix cache of whole entries, seen through blocks of the adapter's choosing.
+
+    The host has no blocks; ``block_size`` is the granularity recovery publishes at.
+    The methods keep :class:`PrefixCachePort`'s meaning with these differences:
+
+    * :meth:`fetch` restores the longest prefix of ``tokens`` the host's own lookup gives
+      back (from an entry equal to it, a prefix of it, or a longer or diverging entry the
+      host trims), floored to whole blocks; it takes under ``holder_id`` whatever the
+      host's lookup takes (maybe nothing), and :meth:`release` gives that back.
+    * :meth:`store` carries **every** block of ``tokens`` (indices ``0 ..
+      len(tokens) // block_size - 1``) and stores them as one entry for ``tokens``; the
+      host may drop shorter entries the new one covers.
+    """
+
+    @property
+    def store_unit(self) -> StoreUnit:
+        """Always :attr:`StoreUnit.WHOLE_ENTRY`."""
+
+
+def store_unit(cache: object) -> StoreUnit:
+    """How ``cache`` stores prefixes; a port that does not say stores blocks."""
+    return StoreUnit(getattr(cache, "store_unit", StoreUnit.BLOCKS))
 
 
 @runtime_checkable

@@ -3,7 +3,10 @@
 Committed means restorable: a job's committed boundary may only move to a prefix that the
 host's own fetch path gave back. :func:`publish` stores the whole blocks a slice completed
 under the job's own token prefix, then fetches that prefix under a throwaway holder id and
-releases it again, whatever happens. Every failure is raised as a
+releases it again, whatever happens. A host that stores whole entries
+(:attr:`~..ports.StoreUnit.WHOLE_ENTRY`) gets one entry for the whole prefix: the blocks
+before the new ones are fetched back from the host's own entry first, so what is stored
+on top of is exactly what the host restores. Every failure is raised as a
 :class:`PublicationError` whose ``kind`` the caller counts; the caller drops the job.
 
 Threads: called on the engine thread only, like every :class:`~..ports.PrefixCachePort`
@@ -17,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..ports import FetchedPrefix, PrefixCachePort
+from ..ports import FetchedPrefix, PrefixCachePort, StoreUnit, store_unit
 from ..state import RECOVERY_ORIGIN, BlockState
 
 
@@ -38,6 +41,12 @@ class StoreRefused(PublicationError):
     job's earlier blocks were evicted, so the new ones would leave a gap)."""
 
     kind = "store_refused"
+
+
+class BaseFetchError(PublicationError):
+    """The fetch of the stored prefix a whole entry is built on raised."""
+
+    kind = "fetch_error"
 
 
 class ProbeFetchError(PublicationError):
@@ -93,6 +102,28 @@ def as_recovered(block: BlockState) -> BlockState:
     return dataclasses.replace(block, origin=RECOVERY_ORIGIN, draft_state=False)
 
 
+def stored_prefix_blocks(
+    cache: PrefixCachePort,
+    holder_id: str,
+    lineage: Sequence[int],
+    first: int,
+    block_size: int,
+    release: Release | None = None,
+) -> list[BlockState]:
+    """Blocks ``0 .. first - 1`` of ``lineage`` as the host restores them now (for a whole
+    entry built on them); its references are released before returning. Raises
+    :class:`StoreRefused` when the host no longer holds them (evicted, or wiped)."""
+    try:
+        with fetched(cache, holder_id, lineage, release) as prefix:
+            have = min(int(prefix.tokens) // block_size, len(prefix.blocks))
+            base = list(prefix.blocks[:first])
+    except Exception as exc:
+        raise BaseFetchError(f"fetch of the stored {first * block_size}-token prefix failed: {exc!r}") from exc
+    if have < first or [b.index for b in base] != list(range(first)):
+        raise StoreRefused(f"the host holds {have * block_size} of the {first * block_size} tokens the entry builds on")
+    return base
+
+
 def publish(
     cache: PrefixCachePort,
     job_tokens: Sequence[int],
@@ -122,9 +153,12 @@ def publish(
         raise ValueError(f"blocks reach token {boundary}, past the job's {len(job_tokens)} tokens")
     lineage = tuple(job_tokens[:boundary])
     marked = [as_recovered(block) for block in blocks]
+    entry = marked
+    if first > 0 and store_unit(cache) is StoreUnit.WHOLE_ENTRY:
+        entry = stored_prefix_blocks(cache, f"{holder_id}:base", lineage, first, block_size, release) + marked
 
     try:
-        stored = cache.store(holder_id, lineage, marked)
+        stored = cache.store(holder_id, lineage, entry)
     except Exception as exc:
         raise StoreError(f"store of {len(marked)} blocks up to {boundary} failed: {exc!r}") from exc
     if stored < boundary:

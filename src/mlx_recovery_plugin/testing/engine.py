@@ -9,6 +9,9 @@ What it imitates, because the plugin depends on it:
   back and ``request_departed`` is emitted;
 * a **dense route** that restores the longest stored whole-block prefix, prefills the
   rest in ``prefill_step`` chunks, stores the prompt's whole blocks and decodes greedily;
+* a prefix cache of either kind (``cache_kind``): ``"paged"``, oMLX's refcounted blocks
+  with chained hashes, or ``"entries"``, rapid-mlx's whole entries (the prompt's whole
+  blocks stored as one entry, restored prefix included);
 * a **sparse route** (SpecPrefill-like) for requests that ask for it when the engine has
   a draft model and the uncached part exceeds ``sparse_threshold``: it runs alone, the
   draft model reads the whole uncached range to score it, the target prefills only the
@@ -28,7 +31,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -46,6 +49,7 @@ from ..events import (
 from ..kvcodec import UnsupportedCacheError, blocks_from_cache, cache_from_blocks
 from ..plugins import HookEmitter
 from .block_pool import BlockPool
+from .entry_cache import WholeEntryPrefixCache
 from .prefix_cache import PagedPrefixCache
 from .requests import (
     DECODE,
@@ -63,6 +67,9 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 T = TypeVar("T")
+
+# The two kinds of prefix cache a mock engine can have (:class:`~..ports.StoreUnit`).
+CACHE_KINDS = ("paged", "entries")
 
 class MockEngine:
     """One model with its scheduler, queues, block pool and prefix cache.
@@ -86,7 +93,10 @@ class MockEngine:
         max_running: int = 8,
         clock: Clock = time.perf_counter,
         on_result: Callable[[RequestResult], None] | None = None,
+        cache_kind: str = "paged",
     ) -> None:
+        if cache_kind not in CACHE_KINDS:
+            raise ValueError(f"unknown cache kind {cache_kind!r}; choose one of {', '.join(CACHE_KINDS)}")
         if block_size <= 0 or prefill_step <= 0 or pool_blocks <= 0 or max_running <= 0:
             raise ValueError("block_size, prefill_step, pool_blocks and max_running must be > 0")
         if not 0.0 < sparse_keep <= 1.0:
@@ -105,7 +115,12 @@ class MockEngine:
         self.on_result = on_result
         self._hooks = emitter
         self.pool = BlockPool(pool_blocks, block_size)
-        self._prefix_cache = PagedPrefixCache(self.pool, model.model_id)
+        self.cache_kind = cache_kind
+        self._prefix_cache: PagedPrefixCache | WholeEntryPrefixCache = (
+            PagedPrefixCache(self.pool, model.model_id)
+            if cache_kind == "paged"
+            else WholeEntryPrefixCache(block_size)
+        )
 
         self._cond = threading.Condition()
         # Guarded by _cond (any thread may add; the owner thread takes).
@@ -155,8 +170,16 @@ class MockEngine:
         return self._model
 
     @property
-    def prefix_cache(self) -> PagedPrefixCache:
+    def prefix_cache(self) -> PagedPrefixCache | WholeEntryPrefixCache:
         return self._prefix_cache
+
+    def outstanding(self) -> dict[str, Counter[Any]]:
+        """Every reference not held by the prefix index itself: block references in the
+        pool, and entries pinned by fetches not yet released. Empty when nothing leaked."""
+        refs: dict[str, Counter[Any]] = dict(self.pool.outstanding())
+        if isinstance(self._prefix_cache, WholeEntryPrefixCache):
+            refs.update(self._prefix_cache.outstanding())
+        return refs
 
     @property
     def port(self) -> MockEngine:
@@ -537,8 +560,9 @@ class MockEngine:
         assert req.cache is not None
         size = self._block_size
         whole = len(req.prompt) // size
-        first = req.cached_tokens // size
-        if whole <= first:
+        # A whole-entry cache stores the prompt as one entry, restored prefix included.
+        first = req.cached_tokens // size if self.cache_kind == "paged" else 0
+        if whole <= req.cached_tokens // size:
             return
         try:
             blocks = blocks_from_cache(req.cache, first, whole, size)

@@ -75,10 +75,13 @@ class MockHost:
         tokenizer: Any = None,
         draft_model: Any = None,
         max_running: int = 8,
+        cache_kind: str = "paged",
     ) -> MockEngine:
         """Load (or take) a model and start an engine for it; emits ``engine_attached``.
 
-        Models loaded from the same directory are shared between engines.
+        Models loaded from the same directory are shared between engines. ``cache_kind``
+        is ``"paged"`` (oMLX's refcounted blocks with chained hashes) or ``"entries"``
+        (rapid-mlx's whole entries, :class:`~.entry_cache.WholeEntryPrefixCache`).
         """
         if engine_id in self.engines:
             raise ValueError(f"engine {engine_id!r} already exists")
@@ -104,6 +107,7 @@ class MockHost:
             max_running=max_running,
             clock=clock,
             on_result=self._on_result,
+            cache_kind=cache_kind,
         )
         self.engines[engine_id] = engine
         if self._started:
@@ -316,13 +320,13 @@ class MockHost:
         engine.call(fn)
 
     # -- inspection -----------------------------------------------------------------
-    def outstanding_refs(self) -> dict[str, dict[str, Counter[int]]]:
-        """Per engine, every block reference not held by the prefix index itself
+    def outstanding_refs(self) -> dict[str, dict[str, Counter[Any]]]:
+        """Per engine, every block reference (or pinned entry) not held by the prefix index itself
         (holder -> block id -> count). Empty dicts mean nothing leaked. Read it while the
         engines are quiet: in synchronous mode, or after :meth:`stop`."""
-        return {eid: engine.pool.outstanding() for eid, engine in self.engines.items()}
+        return {eid: engine.outstanding() for eid, engine in self.engines.items()}
 
-    def leaked(self) -> dict[str, dict[str, Counter[int]]]:
+    def leaked(self) -> dict[str, dict[str, Counter[Any]]]:
         """Only the engines with outstanding references."""
         return {eid: refs for eid, refs in self.outstanding_refs().items() if refs}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...runner.blas import add_openblas_flag, maybe_reexec
+from .hosts import HOSTS
 from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
 from .sessions import DEFAULT_CURVE, SESSION_NAMES
 
@@ -20,11 +21,18 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "server",
-        help="the three arms on a real oMLX-family server, driven by the OpenAI SDK",
-        description="Start `omlx serve` (or `fusion-mlx serve`, --host fusion_mlx) on a loopback port per arm (sparse off, sparse on, sparse "
+        help="the three arms on a real server (oMLX family, rapid-mlx), driven by the OpenAI SDK",
+        description="Start the server (`omlx serve`; `fusion-mlx serve` with --host fusion_mlx; `rapid-mlx serve` "
+        "with --host rapid) on a loopback port per arm (sparse off, sparse on, sparse "
         "on + recovery attached by environment variables), drive agent sessions with the OpenAI "
         "SDK, and report per-turn cached tokens and time to first token.",
     )
+    p.add_argument("--host", choices=sorted(HOSTS), default="omlx",
+                   help="the server: omlx (flyto-mlx, SpecPrefill), fusion_mlx (fusion-mlx, SpecPrefill) or "
+                   "rapid (rapid-mlx, PFlash on the uncached basis); default omlx")
+    p.add_argument("--pflash-threshold", type=int, default=None,
+                   help="rapid: PFlash threshold in uncached tokens (default 4096: the first turn crosses it, "
+                   "an appended turn does not)")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, the agent session, 3 turns, 10 s think")
     p.add_argument("--sessions", nargs="+", choices=SESSION_NAMES, help="sessions to run (default: all; --quick: agent)")
     p.add_argument("--think-time", type=float, default=None, help="idle seconds between turns (default 30; --quick 10)")
@@ -37,9 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target-id", help="target model id (directory name) in --model-dir")
     p.add_argument("--draft-id", help="draft model id (directory name) in --model-dir")
     p.add_argument("--port", type=int, default=None, help="loopback port (default: a free one per server)")
-    p.add_argument("--host", choices=_host_names(), default="omlx",
-                   help="which oMLX-family server to start: omlx (flyto-mlx, `omlx serve`) or fusion_mlx "
-                   "(`fusion-mlx serve`); default omlx")
     p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
     p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
@@ -48,23 +53,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _host_names() -> tuple[str, ...]:
-    from ...hosts.omlx.members import MEMBERS
-
-    return tuple(MEMBERS)
-
-
 def progress_to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
-    from ...hosts.omlx.members import MEMBERS
     from .run import BenchConfig
 
     config = BenchConfig(
         workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy,
-        member=MEMBERS[getattr(args, "host", "omlx")],
     )
     if args.quick:
         config.target, config.draft = QUICK_TARGET, QUICK_DRAFT
@@ -72,6 +69,9 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         config.shape = dataclasses.replace(config.shape, turns=3)
         config.curve = (5.0, 10.0)
         config.balance_repeats = 1
+    host = HOSTS[getattr(args, "host", "omlx")]
+    threshold = getattr(args, "pflash_threshold", None)
+    config.host = host if threshold is None else dataclasses.replace(host, pflash_threshold=threshold)
     if args.target:
         config.target = parse_target(args.target)
     if args.model_dir:

@@ -31,8 +31,12 @@ def make_client(base_url: str, timeout_s: float = 900.0, api_key: str = "unused"
     return OpenAI(base_url=base_url + "/v1", api_key=api_key, timeout=timeout_s, max_retries=0)
 
 
-def send_turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int = 2) -> TurnMeasure:
-    """Send ``messages``, stream the answer, and return the server's figures."""
+def send_turn(
+    client: Any, model: str, messages: list[dict[str, str]], max_tokens: int = 2, *, absent_cached_is_zero: bool = False
+) -> TurnMeasure:
+    """Send ``messages``, stream the answer, and return the server's figures.
+    ``absent_cached_is_zero``: the server omits ``prompt_tokens_details`` when it cached
+    nothing (rapid-mlx)."""
     started = time.perf_counter()
     first: float | None = None
     usage = None
@@ -52,6 +56,8 @@ def send_turn(client: Any, model: str, messages: list[dict[str, str]], max_token
         raise MissingMeasurementError("the stream ended without usage (stream_options include_usage ignored?)")
     details = getattr(usage, "prompt_tokens_details", None)
     cached = getattr(details, "cached_tokens", None) if details is not None else None
+    if details is None and absent_cached_is_zero:
+        cached = 0
     if usage.prompt_tokens is None or cached is None:
         raise MissingMeasurementError(
             f"usage lacks prompt_tokens or prompt_tokens_details.cached_tokens: {usage!r}"

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ...hosts.omlx.members import FLYTO_MLX, Member
 from ...recovery.control_paths import SOCKET_DIR_NAME, SOCKET_SUFFIX
+from .hosts import OMLX, ServerHost, serve_argv
 
 HOST = "127.0.0.1"
 ADMIN_STATUS_ROUTE = "/admin/api/recovery/status"
@@ -76,16 +76,25 @@ def check_port_free(port: int) -> None:
             raise
 
 
-def omlx_command(member: Member = FLYTO_MLX) -> list[str]:
-    """The member's console script (``omlx``, ``fusion-mlx``) of this environment, else
-    the one on PATH."""
-    script = member.serve_script
-    here = Path(sys.executable).parent / script
-    found = str(here) if here.is_file() else shutil.which(script)
+def omlx_command() -> list[str]:
+    """The ``omlx`` console script of this environment (else the one on PATH)."""
+    return console_script(OMLX)
+
+
+def host_command(host: ServerHost) -> list[str]:
+    """The serve command of ``host``."""
+    return console_script(host)
+
+
+def console_script(host: ServerHost) -> list[str]:
+    """The host's console script (``omlx``, ``fusion-mlx``, ``rapid-mlx``) of this
+    environment (else the one on PATH)."""
+    here = Path(sys.executable).parent / host.command
+    found = str(here) if here.is_file() else shutil.which(host.command)
     if found is None:
         raise ServerStartError(
-            f"no `{script}` command: install {member.distribution} into this environment "
-            "(see tests/omlx-requirements.txt, tests/fusion-requirements.txt and .ci/run)"
+            f"no `{host.command}` command: install {host.distribution} into this environment "
+            "(see tests/*-requirements.txt and .ci/run)"
         )
     return [found]
 
@@ -145,16 +154,20 @@ class ServerSpec:
     command: list[str] | None = None
     start_timeout_s: float = 180.0
     expect_plugin: bool = False
-    member: Member = FLYTO_MLX
+    host: ServerHost = OMLX
+    model_id: str = ""  # the target's directory name (rapid-mlx serves one model)
+    sparse: bool = True  # rapid-mlx: PFlash on (oMLX: model_settings.json says)
 
     def argv(self, port: int) -> list[str]:
-        command = self.command or omlx_command(self.member)
-        serve = self.member.serve_argv(command[0], str(self.model_dir), str(self.base_path), str(self.cache_dir))
-        return [*command, *serve[1:], "--host", HOST, "--port", str(port)]
+        return serve_argv(
+            self.host, self.command or host_command(self.host), model_dir=self.model_dir, model_id=self.model_id,
+            base_path=self.base_path, cache_dir=self.cache_dir, bind=HOST, port=port, sparse=self.sparse,
+        )
 
     def environment(self) -> dict[str, str]:
-        """The member's own variables, then the spec's."""
-        return {**self.member.server_env(str(self.base_path)), **self.env}
+        """A family member's own variables, then the spec's."""
+        member = self.host.member
+        return {**(member.server_env(str(self.base_path)) if member else {}), **self.env}
 
 
 _live: set[ServerProcess] = set()
@@ -204,7 +217,7 @@ class ServerProcess:
         check_port_free(self.port)
         env = {**os.environ, **self.spec.environment()}
         if self.spec.expect_plugin and self.spec.command is None:
-            script = omlx_command(self.spec.member)[0]
+            script = host_command(self.spec.host)[0]
             python = script_python(script)
             hook, dirs = find_startup_hook(python, env)
             if hook is None:
@@ -218,8 +231,7 @@ class ServerProcess:
         _live.add(self)
         try:
             self._wait_ready()
-            if self.spec.expect_plugin and self.spec.member.admin_auth is not None:
-                # Members without admin routes are checked at the first status read.
+            if self.spec.expect_plugin:
                 self._check_attached()
         except BaseException:
             self.stop()
@@ -246,7 +258,10 @@ class ServerProcess:
 
     def _check_attached(self) -> None:
         """The plugin's admin route exists (401 without an admin session) only when the
-        start-up hook attached the plugin to this server."""
+        start-up hook attached the plugin to this server. A host without those routes is
+        checked by its control socket after the first request instead."""
+        if not self.spec.host.admin_route:
+            return
         status = self._http_status(ADMIN_STATUS_ROUTE)
         if status == 404:
             raise PluginNotAttachedError(

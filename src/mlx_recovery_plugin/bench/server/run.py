@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...hosts.omlx.members import FLYTO_MLX, Member
 from ...recovery.control import ControlError, request
 from ...testing.tiny_model import TinyModelSpec
 from . import sessions as sessions_mod
 from .client import make_client, send_turn
+from .hosts import OMLX, ServerHost, arm_env
 from .models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelPair, check_models, write_model_settings, write_models
 from .process import PluginNotAttachedError, ServerProcess, ServerSpec
 from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, status_figures
@@ -53,7 +53,7 @@ class BenchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     balance_repeats: int = 3
     start_timeout_s: float = 180.0
-    member: Member = FLYTO_MLX  # which server of the oMLX family serves
+    host: ServerHost = OMLX  # which server serves (an oMLX-family member, or rapid-mlx)
 
 
 def _private_dir(path: Path) -> Path:
@@ -73,15 +73,19 @@ def fresh_dir(path: Path) -> Path:
 
 def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> ServerSpec:
     base = root / "base"
+    member = config.host.member
     write_model_settings(
-        base / config.member.settings_dir, pair, sparse=arm != "sparse_off", extra=config.member.model_settings
+        base / (member.settings_dir if member else "."), pair, sparse=arm != "sparse_off",
+        extra=member.model_settings if member else None,
     )
-    env = {"MLX_RECOVERY_ENABLE": "0", **config.extra_env}
+    env = {"MLX_RECOVERY_ENABLE": "0", **arm_env(config.host, root), **config.extra_env}
+    # rapid-mlx may name the model by its path: opt both names in.
+    models = {name: {"enabled": True} for name in (pair.target_id, str(pair.target_path))}
     if arm == "sparse_recovery":
         env.update({
             "MLX_RECOVERY_ENABLE": "1",
             "MLX_RECOVERY_BUDGET_PCT": f"{config.budget_pct:g}",
-            "MLX_RECOVERY_MODELS": json.dumps({pair.target_id: {"enabled": True}}),
+            "MLX_RECOVERY_MODELS": json.dumps(models),
             "MLX_RECOVERY_CONTROL_SOCKET": "",
             "XDG_RUNTIME_DIR": str(_private_dir(root / "runtime")),
         })
@@ -90,7 +94,8 @@ def _server_spec(config: BenchConfig, pair: ModelPair, root: Path, arm: str) -> 
     return ServerSpec(
         model_dir=pair.model_dir, base_path=base, cache_dir=fresh_dir(root / "cache"), log_path=root / "server.log",
         port=config.port, env=env, expect_plugin=arm == "sparse_recovery",
-        start_timeout_s=config.start_timeout_s, member=config.member,
+        start_timeout_s=config.start_timeout_s, host=config.host, model_id=pair.target_id,
+        sparse=arm != "sparse_off",
     )
 
 
@@ -123,9 +128,12 @@ def run_arm(
         progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
         client = make_client(server.base_url, api_key=spec.environment().get("FUSION_MLX_API_KEY", "unused"))
         # Load the model (and the draft) before the clock runs: oMLX loads on first use.
-        send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1)
+        zero = config.host.omits_zero_cached
+        send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1,
+                  absent_cached_is_zero=zero)
         for index, step in enumerate(session.steps):
-            measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens)
+            measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
+                                absent_cached_is_zero=zero)
             last = index == len(session.steps) - 1
             wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
             progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
@@ -165,7 +173,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
 
     pair = _pair(config, progress)
     report = BenchReport(
-        target=pair.target_id, draft=pair.draft_id, host=_host_version(config.member),
+        target=pair.target_id, draft=pair.draft_id, host=_host_version(config.host),
         blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
@@ -216,10 +224,12 @@ def _server_preload() -> str:
     return f"; the servers inherit LD_PRELOAD={preload}" if preload else ""
 
 
-def _host_version(member: Member) -> str:
+def _host_version(host: ServerHost = OMLX) -> str:
     try:
         from importlib.metadata import version
 
-        return f"{member.label} {version(member.distribution)}"
+        found = version(host.distribution)
     except Exception:  # noqa: BLE001 - only a label
-        return f"{member.label} (version unknown)"
+        found = "version unknown"
+    extra = f", PFlash auto, uncached basis, threshold {host.pflash_threshold}" if host.name == "rapid" else ""
+    return f"{host.label} ({host.distribution} {found}{extra})"

@@ -1,0 +1,255 @@
+"""Attach the lifecycle hooks to rapid-mlx at run time, without editing any file of it.
+
+:class:`RapidInstrumentor` follows the OpenTelemetry instrumentor pattern:
+``instrument()`` checks rapid-mlx's version and that every method it wraps exists, then
+replaces those methods on ``rapid_mlx.scheduler.Scheduler`` and
+``rapid_mlx.engine_core.EngineCore`` with thin wrappers (:mod:`.wrappers`);
+``uninstrument()`` puts back the very objects that were there. Both are idempotent.
+Importing this module imports neither rapid-mlx, MLX, asyncio nor pluggy.
+
+===========================================  =================================================
+rapid-mlx                                    hook (thread)
+===========================================  =================================================
+``EngineCore.__init__``, first sight of a    ``engine_attached`` (the building thread)
+scheduler
+``EngineCore.add_request``,                  ``request_arrived``, once, at the earlier of the
+``Scheduler.add_request``                    two (event-loop thread / mlx-step thread)
+``Scheduler._schedule_waiting``              ``request_admitted`` (mlx-step thread)
+``Scheduler._cleanup_finished``              ``sparse_route_served`` for PFlash-compressed
+                                             requests, with the original prompt, then
+                                             ``request_departed`` finished (mlx-step thread)
+``Scheduler._do_abort_request``              ``request_aborted`` + ``request_departed`` aborted
+``Scheduler._recover_from_generation_error``  ``engine_failed_all`` + ``request_departed``
+                                             failed (mlx-step thread)
+``Scheduler.reset`` / ``deep_reset`` /       ``engine_reset`` deep (rapid-mlx's reset empties
+``_recover_from_cache_error``                its prefix cache too), before it is emptied
+``Scheduler.clear_prefix_cache`` (the idle   ``engine_reset`` deep, after it emptied the cache
+cache clear, the admin route)
+``EngineCore.stop``                          ``engine_shutdown`` (event-loop thread)
+``EngineCore.close`` (model unloads)         ``engine_shutdown`` if not yet, then
+                                             ``model_unloaded``
+``Scheduler.has_requests`` / ``step``        idle driving: ``engine_idle_step`` on the
+                                             mlx-step thread (see :mod:`.idle_driver`)
+===========================================  =================================================
+
+Threads: see :mod:`.lifecycle`. ``instrument`` / ``uninstrument`` hold ``_lock``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from .idle_driver import IdleDriver
+    from .lifecycle import Lifecycle
+    from .ports import RapidEngine
+
+log = logging.getLogger(__name__)
+
+#: rapid-mlx releases this adapter was written against (read from 0.16.10's code).
+SUPPORTED_VERSIONS = ((0, 16, 10), (0, 17))
+
+#: The top-level import package of rapid-mlx (its ``vllm_mlx`` is a forwarding shim).
+HOST_PACKAGE = "rapid_mlx"
+
+#: Environment variable: tokens per published entry step (default 256).
+BLOCK_VARIABLE = "MLX_RECOVERY_RAPID_BLOCK_TOKENS"
+
+# Used by the ports and wrappers, not wrapped: their absence means a rapid-mlx this
+# adapter does not know.
+SCHEDULER_NEEDS = ("abort_request", "SchedulerOutput")
+
+_MISSING = object()
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric parts of a version string: ``"0.16.10rc1"`` -> ``(0, 16, 10)``."""
+    parts: list[int] = []
+    for piece in text.split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+def version_supported(version: str) -> bool:
+    parsed = parse_version(version)
+    low, high = SUPPORTED_VERSIONS
+    return bool(parsed) and low <= parsed < high
+
+
+def supported_text() -> str:
+    low, high = SUPPORTED_VERSIONS
+    return f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+
+
+def block_tokens(environ: dict[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
+    raw = env.get(BLOCK_VARIABLE, "").strip()
+    if not raw:
+        return 256
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        log.warning("mlx-recovery: %s=%r is not a positive integer; using 256", BLOCK_VARIABLE, raw)
+        return 256
+    return value
+
+
+class RapidInstrumentor:
+    """The rapid-mlx host adapter (entry point ``rapid_mlx`` of ``mlx_recovery_plugin.hosts``)."""
+
+    name = "rapid_mlx"
+    trigger_module = "rapid_mlx.engine_core"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, block_size: int | None = None) -> None:
+        """``clock`` drives idle-step delays; ``block_size`` is the granularity recovery
+        publishes entries at (default: ``MLX_RECOVERY_RAPID_BLOCK_TOKENS`` or 256)."""
+        self._clock = clock
+        self._block_size = block_size
+        self._lock = threading.RLock()
+        self._originals: dict[tuple[type, str], Any] = {}
+        self._life: Lifecycle | None = None
+        self.version: str | None = None
+
+    # -- the adapter protocol --------------------------------------------------------
+
+    def host_importable(self) -> bool:
+        try:
+            return importlib.util.find_spec(HOST_PACKAGE) is not None
+        except (ImportError, ValueError):
+            return False
+
+    @property
+    def is_instrumented(self) -> bool:
+        return bool(self._originals)
+
+    def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
+        """Wrap rapid-mlx's scheduler and engine; True when attached (now or before).
+        Hooks go to ``pm``, by default the process plugin manager."""
+        with self._lock:
+            if self._originals:
+                return True
+            version = rapid_version()
+            if not version_supported(version):
+                log.warning(
+                    "mlx-recovery: rapid-mlx %s is not supported (this adapter knows %s); "
+                    "not attaching", version, supported_text(),
+                )
+                return False
+            scheduler_module = importlib.import_module("rapid_mlx.scheduler")
+            classes = {
+                "Scheduler": scheduler_module.Scheduler,
+                "EngineCore": importlib.import_module("rapid_mlx.engine_core").EngineCore,
+            }
+            from .wrappers import FACTORIES
+
+            missing = [f"{c}.{n}" for c, n in FACTORIES if not hasattr(classes[c], n)]
+            missing += [f"scheduler.{n}" for n in SCHEDULER_NEEDS
+                        if not hasattr(classes["Scheduler"], n) and not hasattr(scheduler_module, n)]
+            if missing:
+                log.warning("mlx-recovery: rapid-mlx %s lacks %s; not attaching", version, ", ".join(missing))
+                return False
+            from ...plugins import HookEmitter, get_plugin_manager
+            from .lifecycle import Lifecycle
+
+            emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
+            size = self._block_size if self._block_size is not None else block_tokens()
+            self._life = Lifecycle(emitter, self._clock, size)
+            self.version = version
+            originals: dict[str, Any] = {}
+            for (cls_name, name), factory in FACTORIES.items():
+                cls = classes[cls_name]
+                current = getattr(cls, name)
+                wrapper = factory(self._life, current, originals)
+                functools.update_wrapper(wrapper, current)
+                wrapper.__mlx_recovery_wrapper__ = True  # type: ignore[attr-defined]
+                self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
+                originals[f"{cls_name}.{name}"] = current
+                setattr(cls, name, wrapper)
+            log.info(
+                "mlx-recovery: attached to rapid-mlx %s (%d methods wrapped, no file changed)",
+                version, len(self._originals),
+            )
+            return True
+
+    def uninstrument(self) -> None:
+        """Put back every original method, and tell plugins the engines are gone."""
+        with self._lock:
+            if not self._originals:
+                return
+            for (cls, name), original in self._originals.items():
+                if original is _MISSING:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, original)
+            self._originals.clear()
+            life, self._life = self._life, None
+        if life is not None:
+            for record in life.forget_all():
+                life.engine_shutdown(record)
+        log.info("mlx-recovery: detached from rapid-mlx; original methods restored")
+
+    def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
+        """What the start-up hook waits for: the engine module (it imports the scheduler)."""
+        return {self.trigger_module: lambda _module: self.instrument()}
+
+    # -- engines ---------------------------------------------------------------------
+
+    def attach(self, scheduler: Any) -> RapidEngine | None:
+        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
+        request; its port, or None when not instrumented."""
+        life = self._life
+        record = life.engine(scheduler) if life is not None else None
+        return record.port if record is not None else None
+
+    def engine(self, scheduler: Any) -> RapidEngine | None:
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.port if record is not None else None
+
+    def idle_driver(self, scheduler: Any) -> IdleDriver | None:
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.driver if record is not None else None
+
+    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.driver.snapshot() if record is not None else None
+
+    def wake(self, scheduler: Any | None = None) -> None:
+        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
+        life = self._life
+        if life is None:
+            return
+        records = life.records() if scheduler is None else [life.get(scheduler)]
+        for record in records:
+            if record is not None:
+                record.driver.wake()
+
+
+def rapid_version() -> str:
+    """rapid-mlx's installed version, from its distribution metadata (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rapid-mlx")
+    except PackageNotFoundError:
+        return "0"

@@ -1,0 +1,103 @@
+"""The rapid-mlx adapter's attachment: version-gated, exact uninstrument, attached by the
+start-up hook from the environment alone, and light to import."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAPID_MLX_TELEMETRY", "0")
+pytest.importorskip("rapid_mlx.scheduler", reason="rapid-mlx is not installed; CI installs it in .venv-rapid")
+
+from rapid_mlx.engine_core import EngineCore
+from rapid_mlx.scheduler import Scheduler
+
+from mlx_recovery_plugin.hosts.rapid import instrumentor as rapid_instrumentor
+from mlx_recovery_plugin.hosts.rapid.instrumentor import RapidInstrumentor, version_supported
+from mlx_recovery_plugin.hosts.rapid.wrappers import FACTORIES
+from mlx_recovery_plugin.plugins import make_plugin_manager
+
+HOOKS_DIR = Path(__file__).resolve().parents[1] / "hooks"
+CLASSES = {"Scheduler": Scheduler, "EngineCore": EngineCore}
+
+
+def run_python(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter that processes hooks/*.pth; it prints JSON."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RECOVERY_")}
+    environ.update(env, RAPID_MLX_TELEMETRY="0")
+    prologue = f"import site, sys, json\nsite.addsitedir({str(HOOKS_DIR)!r})\n"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", prologue + textwrap.dedent(code)],
+        env=environ, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_only_the_versions_it_was_written_against_are_supported() -> None:
+    assert version_supported("0.16.10")
+    assert version_supported("0.16.12rc1")
+    assert not version_supported("0.16.9")
+    assert not version_supported("0.17.0")
+    assert not version_supported("0")
+
+
+def test_an_unknown_version_is_refused_with_a_clear_log_line_and_nothing_is_wrapped(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(rapid_instrumentor, "rapid_version", lambda: "0.18.0")
+    before = {name: CLASSES[c].__dict__.get(name) for c, name in FACTORIES}
+    adapter = RapidInstrumentor()
+    with caplog.at_level(logging.WARNING):
+        assert adapter.instrument(make_plugin_manager([], entry_points_too=False)) is False
+    assert "rapid-mlx 0.18.0 is not supported" in caplog.text
+    assert not adapter.is_instrumented
+    assert {name: CLASSES[c].__dict__.get(name) for c, name in FACTORIES} == before
+
+
+def test_uninstrument_puts_back_exactly_what_was_there_and_both_are_idempotent() -> None:
+    before = {(c, name): CLASSES[c].__dict__.get(name) for c, name in FACTORIES}
+    adapter = RapidInstrumentor()
+    pm = make_plugin_manager([], entry_points_too=False)
+    assert adapter.instrument(pm) and adapter.instrument(pm)
+    wrapped = {(c, name): CLASSES[c].__dict__.get(name) for c, name in FACTORIES}
+    assert all(getattr(w, "__mlx_recovery_wrapper__", False) for w in wrapped.values())
+    adapter.uninstrument()
+    adapter.uninstrument()
+    after = {(c, name): CLASSES[c].__dict__.get(name) for c, name in FACTORIES}
+    assert all(after[key] is before[key] for key in before)
+
+
+def test_the_environment_alone_attaches_it_when_rapid_mlx_is_imported() -> None:
+    code = """
+        import rapid_mlx.engine_core
+        from rapid_mlx.scheduler import Scheduler
+        print(json.dumps({"wrapped": getattr(Scheduler.step, "__mlx_recovery_wrapper__", False)}))
+    """
+    assert run_python(code, MLX_RECOVERY_ENABLE="1") == {"wrapped": True}
+    assert run_python(code) == {"wrapped": False}
+
+
+def test_the_adapter_module_imports_no_mlx_asyncio_or_rapid_mlx() -> None:
+    got = run_python(
+        """
+        import mlx_recovery_plugin.hosts
+        before = set(sys.modules)
+        import mlx_recovery_plugin.hosts.rapid
+        from importlib.metadata import entry_points
+        (ep,) = [e for e in entry_points(group="mlx_recovery_plugin.hosts") if e.name == "rapid_mlx"]
+        ep.load()
+        (pkg,) = [e for e in entry_points(group="mlx_recovery_plugin.host_packages") if e.name == "rapid_mlx"]
+        new = sorted(m.split(".")[0] for m in set(sys.modules) - before)
+        print(json.dumps({"new": sorted(set(new)), "package": pkg.value}))
+        """
+    )
+    assert set(got["new"]) <= {"mlx_recovery_plugin"}
+    assert got["package"] == "rapid_mlx"
