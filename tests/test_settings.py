@@ -151,3 +151,12 @@ def test_a_vanishing_budget_window_is_refused_with_its_minimum(monkeypatch: pyte
     monkeypatch.setenv("MLX_RECOVERY_BUDGET_WINDOW_S", "1e-308")
     with pytest.raises(SettingsError, match=r"MLX_RECOVERY_BUDGET_WINDOW_S.*greater than or equal to 0\.1"):
         load_settings()
+
+
+def test_the_rapid_adapters_block_variable_is_a_known_setting_with_the_same_default() -> None:
+    # The adapter reads it without loading the settings; the two must not drift apart.
+    from mlx_recovery_plugin.hosts.rapid.instrumentor import BLOCK_VARIABLE, DEFAULT_BLOCK_TOKENS
+    from mlx_recovery_plugin.settings import RecoverySettings, env_name, known_variables
+
+    assert BLOCK_VARIABLE == env_name("rapid_block_tokens") and BLOCK_VARIABLE in known_variables()
+    assert RecoverySettings.model_fields["rapid_block_tokens"].default == DEFAULT_BLOCK_TOKENS

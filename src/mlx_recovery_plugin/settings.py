@@ -102,6 +102,10 @@ class RecoverySettings(BaseSettings):
         le=1.0,
         description="trim mode: refuse a cut that keeps less than this share of the entry",
     )
+    rapid_block_tokens: int = Field(
+        256, ge=1, le=1_048_576,
+        description="rapid-mlx (whole-entry cache): tokens per published step of an entry",
+    )
     plugins: str = Field("", description="comma list: load only these plugin entry points")
     disable_plugins: str = Field("", description="comma list: never load these plugin entry points")
     control_socket: str = Field(

@@ -62,8 +62,11 @@ SUPPORTED_VERSIONS = ((0, 16, 10), (0, 17))
 #: The top-level import package of rapid-mlx (its ``vllm_mlx`` is a forwarding shim).
 HOST_PACKAGE = "rapid_mlx"
 
-#: Environment variable: tokens per published entry step (default 256).
+#: Environment variable: tokens per published entry step. It is the settings' field
+#: ``rapid_block_tokens`` (so it is documented and validated there), read here without
+#: loading the settings, which would import pydantic into every process at start.
 BLOCK_VARIABLE = "MLX_RECOVERY_RAPID_BLOCK_TOKENS"
+DEFAULT_BLOCK_TOKENS = 256
 
 # Used by the ports and wrappers, not wrapped: their absence means a rapid-mlx this
 # adapter does not know.
@@ -104,14 +107,14 @@ def block_tokens(environ: dict[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     raw = env.get(BLOCK_VARIABLE, "").strip()
     if not raw:
-        return 256
+        return DEFAULT_BLOCK_TOKENS
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
-        log.warning("mlx-recovery: %s=%r is not a positive integer; using 256", BLOCK_VARIABLE, raw)
-        return 256
+        log.warning("mlx-recovery: %s=%r is not a positive integer; using %d", BLOCK_VARIABLE, raw, DEFAULT_BLOCK_TOKENS)
+        return DEFAULT_BLOCK_TOKENS
     return value
 
 
