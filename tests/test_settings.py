@@ -158,5 +158,5 @@ def test_the_rapid_adapters_block_variable_is_a_known_setting_with_the_same_defa
     from mlx_recovery_plugin.hosts.rapid.instrumentor import BLOCK_VARIABLE, DEFAULT_BLOCK_TOKENS
     from mlx_recovery_plugin.settings import RecoverySettings, env_name, known_variables
 
-    assert BLOCK_VARIABLE == env_name("rapid_block_tokens") and BLOCK_VARIABLE in known_variables()
+    assert env_name("rapid_block_tokens") == BLOCK_VARIABLE and BLOCK_VARIABLE in known_variables()
     assert RecoverySettings.model_fields["rapid_block_tokens"].default == DEFAULT_BLOCK_TOKENS
