@@ -56,9 +56,13 @@ class ProbeFetchError(PublicationError):
 
 
 class ProbeMismatch(PublicationError):
-    """The read-back fetch restored less than was published."""
+    """The read-back fetch restored less than was published (``restored`` tokens)."""
 
     kind = "probe_mismatch"
+
+    def __init__(self, message: str, restored: int) -> None:
+        super().__init__(message)
+        self.restored = restored
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,5 +173,5 @@ def publish(
     except Exception as exc:
         raise ProbeFetchError(f"read-back of {boundary} tokens failed: {exc!r}") from exc
     if restored < boundary:
-        raise ProbeMismatch(f"read-back restored {restored} of {boundary} published tokens")
+        raise ProbeMismatch(f"read-back restored {restored} of {boundary} published tokens", restored)
     return Publication(boundary, len(marked), stored, restored)

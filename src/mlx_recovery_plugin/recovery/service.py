@@ -38,7 +38,7 @@ from .budget import Budget
 from .costs import Verdict
 from .jobs import JobBook, RecoveryJob, Relation
 from .judge import PublishJudge, note_route
-from .publication import PublicationError, publish
+from .publication import ProbeMismatch, PublicationError, publish
 from .runnable import RunnableGate
 from .status import EngineCounters, EngineStatus, JobStatus
 
@@ -56,6 +56,11 @@ INTERNAL_ERROR = "internal_error"
 INTERRUPTED = "slice_interrupted"  # a refusal-like reason for the status
 # A request whose cache keys hold more than its tokens (an image's hash): no job for it.
 KEYED_BEYOND_TOKENS = "keyed_beyond_tokens"
+# The host restored none of what recovery published, several times in a row, and never
+# anything on this engine: it refuses the plugin's blocks (a quantized KV layout, a
+# recurrent state it does not store). Each further job would cost a slice for nothing.
+HOST_RESTORES_NOTHING = "host_restores_nothing"
+HOST_RESTORES_NOTHING_AFTER = 3
 
 # Refusals that are not foreground work: the live state is kept through them, so a
 # machine whose allowance pays for less than a block per window still finishes blocks.
@@ -153,6 +158,8 @@ class EngineRecovery:
         self.book = JobBook(self.block_size, settings.max_jobs_per_engine)
         self.counters = EngineCounters()
         self.last_refusal: str | None = None
+        # Set once by the engine thread (see HOST_RESTORES_NOTHING); read by any thread.
+        self.host_refuses: str | None = None
 
         # Engine thread only (under _work).
         self._runner: SliceRunnerLike | None = None
@@ -164,6 +171,7 @@ class EngineRecovery:
         # steps and when the engine's jobs are dropped (shutdown, unload), never forgotten.
         self._unreleased: list[str] = []
         self._holder_ids = itertools.count(1)
+        self._empty_readbacks = 0  # in a row, on an engine that never committed anything
 
     # -- hooks (engine thread) -----------------------------------------------------
 
@@ -171,9 +179,9 @@ class EngineRecovery:
         """A sparse route served ``event``'s range: queue, extend or replace a job."""
         if self.closed:
             return
-        if event.keyed_beyond_tokens:
+        if event.keyed_beyond_tokens or self.host_refuses is not None:
             with self._lock:
-                self.counters.refused(KEYED_BEYOND_TOKENS)
+                self.counters.refused(KEYED_BEYOND_TOKENS if event.keyed_beyond_tokens else HOST_RESTORES_NOTHING)
             return
         with self._lock:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)
@@ -273,6 +281,7 @@ class EngineRecovery:
                 policy=policy,
                 # Owned by the engine thread; the length read here is a status figure only.
                 unreleased_holders=len(self._unreleased),
+                host_refuses=self.host_refuses,
             )
 
     # -- the slice loop (engine thread, under _work) -------------------------------
@@ -527,6 +536,7 @@ class EngineRecovery:
         except PublicationError as exc:
             log.warning("mlx-recovery: engine %s: publication failed: %s", self.engine_id, exc)
             self._drop_job(job, exc.kind)
+            self._note_empty_readback(exc)
             return False
         except Exception as exc:  # noqa: BLE001 - e.g. the port itself is gone
             log.warning("mlx-recovery: engine %s: publication failed: %r", self.engine_id, exc)
@@ -568,6 +578,27 @@ class EngineRecovery:
                 self.counters.jobs_dropped += 1
         if kind == OOM:
             _clear_mlx_cache()
+
+    def _note_empty_readback(self, exc: PublicationError) -> None:
+        """Stop taking jobs on an engine whose host keeps restoring nothing we publish."""
+        with self._lock:
+            never_committed = self.counters.tokens_recovered == 0
+        if not (isinstance(exc, ProbeMismatch) and exc.restored == 0 and never_committed):
+            self._empty_readbacks = 0
+            return
+        self._empty_readbacks += 1
+        if self._empty_readbacks < HOST_RESTORES_NOTHING_AFTER:
+            return
+        reason = (
+            f"the host restored none of what recovery published, {self._empty_readbacks} times in a "
+            "row (a cache layout it keys differently, e.g. a quantized KV cache, or a state it does "
+            "not store): recovery stands down on this engine"
+        )
+        with self._lock:
+            self.host_refuses = reason
+        log.warning("mlx-recovery: engine %s: %s", self.engine_id, reason)
+        self._drop_everything(HOST_RESTORES_NOTHING)
+        self._runner = None  # no slice will run here again: give its memory back
 
     def _drop_job(self, job: RecoveryJob, kind: str) -> None:
         self._count_fault(kind)

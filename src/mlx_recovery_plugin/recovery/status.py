@@ -79,6 +79,9 @@ class EngineStatus:
     counters: EngineCounters
     policy: dict[str, Any] = field(default_factory=dict)
     unreleased_holders: int = 0
+    #: Why recovery stopped taking jobs on this engine for good (the host restores
+    #: nothing it publishes), or None.
+    host_refuses: str | None = None
 
     @property
     def debt(self) -> int:
