@@ -35,17 +35,18 @@ Threads: see :mod:`.lifecycle`. ``instrument`` / ``uninstrument`` hold ``_lock``
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from ..instrumenting import MethodPatches, parse_version
+from ..instrumenting import iter_wrapped as iter_wrapped  # callers import it from here
 from .lifecycle import Lifecycle
 from .members import FLYTO_MLX, Member, VersionRange
 from .wrappers import FACTORIES
@@ -62,26 +63,6 @@ SCHEDULER_METHODS = tuple(name for cls, name in FACTORIES if cls == "Scheduler")
 ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCore")
 # Used by the ports, not wrapped: their absence means an oMLX this adapter does not know.
 SCHEDULER_NEEDS = ("_extract_cache_states", "set_specprefill_draft_model", "abort_request")
-
-_MISSING = object()
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """Leading numeric parts of a version string: ``"0.7.0rc1"`` -> ``(0, 7, 0)``."""
-    parts: list[int] = []
-    for piece in text.split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts)
-
 
 def version_supported(version: str, member: Member = FLYTO_MLX) -> bool:
     parsed = parse_version(version)
@@ -107,7 +88,7 @@ class OmlxInstrumentor:
         self._clock = clock
         self._accept = accept
         self._lock = threading.RLock()
-        self._originals: dict[tuple[type, str], Any] = {}
+        self._patches = MethodPatches()
         self._life: Lifecycle | None = None
         self.version: str | None = None
 
@@ -121,14 +102,14 @@ class OmlxInstrumentor:
 
     @property
     def is_instrumented(self) -> bool:
-        return bool(self._originals)
+        return bool(self._patches)
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
         """Wrap the member's scheduler and engine; True when attached (now or before).
         Hooks go to ``pm``, by default the process plugin manager."""
         member = self.member
         with self._lock:
-            if self._originals:
+            if self._patches:
                 return True
             classes = {"Scheduler": member.scheduler_class(), "EngineCore": member.engine_core_class()}
             version = member.version()
@@ -151,34 +132,19 @@ class OmlxInstrumentor:
             emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
             self._life = Lifecycle(emitter, self._clock, self._accept, member=member)
             self.version = version
-            originals: dict[str, Any] = {}
-            for (cls_name, name), factory in FACTORIES.items():
-                cls = classes[cls_name]
-                current = getattr(cls, name)
-                wrapper = factory(self._life, current, originals)
-                functools.update_wrapper(wrapper, current)
-                wrapper.__mlx_recovery_wrapper__ = True  # type: ignore[attr-defined]
-                self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
-                originals[f"{cls_name}.{name}"] = current
-                setattr(cls, name, wrapper)
+            self._patches.wrap(classes, FACTORIES, self._life)
             plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
             log.info(
                 "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed); "
-                "plugins: %s", member.label, version, len(self._originals), ", ".join(plugins) or "none",
+                "plugins: %s", member.label, version, len(self._patches), ", ".join(plugins) or "none",
             )
             return True
 
     def uninstrument(self) -> None:
         """Put back every original method, and tell plugins the engines are gone."""
         with self._lock:
-            if not self._originals:
+            if not self._patches.restore():
                 return
-            for (cls, name), original in self._originals.items():
-                if original is _MISSING:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, original)
-            self._originals.clear()
             life, self._life = self._life, None
         if life is not None:
             for record in life.forget_all():
@@ -238,14 +204,8 @@ class OmlxInstrumentor:
     def host_has_work(self, scheduler: Any) -> bool:
         """Would oMLX's engine loop step this scheduler for its own sake (requests,
         deferred clears, a pending abort-all notice), idle offers aside?"""
-        has_requests = next(
-            (
-                self._originals[(cls, "has_requests")]
-                for cls in type(scheduler).__mro__
-                if callable(self._originals.get((cls, "has_requests")))
-            ),
-            type(scheduler).has_requests,
-        )
+        originals = (self._patches.own_original(cls, "has_requests") for cls in type(scheduler).__mro__)
+        has_requests = next((o for o in originals if callable(o)), type(scheduler).has_requests)
         record = self._life.get(scheduler) if self._life is not None else None
         return bool(has_requests(scheduler)) or (record is not None and record.aborted_all_pending)
 
@@ -262,12 +222,3 @@ def _resolves(member: Member, dotted: str) -> bool:
         return False
     return True
 
-
-def iter_wrapped(classes: Iterable[type]) -> list[str]:
-    """Names of the methods currently wrapped by an instrumentor (diagnostics)."""
-    return [
-        f"{cls.__name__}.{name}"
-        for cls in classes
-        for name, value in vars(cls).items()
-        if getattr(value, "__mlx_recovery_wrapper__", False)
-    ]

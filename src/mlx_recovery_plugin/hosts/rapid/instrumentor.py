@@ -37,7 +37,6 @@ Threads: see :mod:`.lifecycle`. ``instrument`` / ``uninstrument`` hold ``_lock``
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
@@ -46,6 +45,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from ..instrumenting import MethodPatches, parse_version
 
 if TYPE_CHECKING:
     import pluggy
@@ -71,26 +72,6 @@ DEFAULT_BLOCK_TOKENS = 256
 # Used by the ports and wrappers, not wrapped: their absence means a rapid-mlx this
 # adapter does not know.
 SCHEDULER_NEEDS = ("abort_request", "SchedulerOutput")
-
-_MISSING = object()
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """Leading numeric parts of a version string: ``"0.16.10rc1"`` -> ``(0, 16, 10)``."""
-    parts: list[int] = []
-    for piece in text.split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts)
-
 
 def version_supported(version: str) -> bool:
     parsed = parse_version(version)
@@ -130,7 +111,7 @@ class RapidInstrumentor:
         self._clock = clock
         self._block_size = block_size
         self._lock = threading.RLock()
-        self._originals: dict[tuple[type, str], Any] = {}
+        self._patches = MethodPatches()
         self._life: Lifecycle | None = None
         self.version: str | None = None
 
@@ -144,13 +125,13 @@ class RapidInstrumentor:
 
     @property
     def is_instrumented(self) -> bool:
-        return bool(self._originals)
+        return bool(self._patches)
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
         """Wrap rapid-mlx's scheduler and engine; True when attached (now or before).
         Hooks go to ``pm``, by default the process plugin manager."""
         with self._lock:
-            if self._originals:
+            if self._patches:
                 return True
             version = rapid_version()
             if not version_supported(version):
@@ -179,33 +160,18 @@ class RapidInstrumentor:
             size = self._block_size if self._block_size is not None else block_tokens()
             self._life = Lifecycle(emitter, self._clock, size)
             self.version = version
-            originals: dict[str, Any] = {}
-            for (cls_name, name), factory in FACTORIES.items():
-                cls = classes[cls_name]
-                current = getattr(cls, name)
-                wrapper = factory(self._life, current, originals)
-                functools.update_wrapper(wrapper, current)
-                wrapper.__mlx_recovery_wrapper__ = True  # type: ignore[attr-defined]
-                self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
-                originals[f"{cls_name}.{name}"] = current
-                setattr(cls, name, wrapper)
+            self._patches.wrap(classes, FACTORIES, self._life)
             log.info(
                 "mlx-recovery: attached to rapid-mlx %s (%d methods wrapped, no file changed)",
-                version, len(self._originals),
+                version, len(self._patches),
             )
             return True
 
     def uninstrument(self) -> None:
         """Put back every original method, and tell plugins the engines are gone."""
         with self._lock:
-            if not self._originals:
+            if not self._patches.restore():
                 return
-            for (cls, name), original in self._originals.items():
-                if original is _MISSING:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, original)
-            self._originals.clear()
             life, self._life = self._life, None
         if life is not None:
             for record in life.forget_all():
