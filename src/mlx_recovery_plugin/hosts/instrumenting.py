@@ -5,18 +5,23 @@ with the wrappers of a factory table ``{(class name, method name): factory}``, e
 factory called as ``factory(lifecycle, current method, originals by "Class.method")``.
 :class:`MethodPatches` does that loop and keeps the originals table, so ``restore()``
 puts back the very objects that were in each class's ``__dict__`` (deleting what was
-only inherited). Also the version parsing both adapters gate on.
+only inherited). :class:`HostInstrumentor` is what both adapter classes do alike once
+attached (uninstrument, the per-engine look-ups, waking idle offers); the version
+parsing both adapters gate on is here too.
 
 Importing this module imports neither a host, MLX, asyncio nor pluggy (the entry-point
-packages import it). Threads: the instrumentor calls ``wrap`` / ``restore`` under its own
-lock; nothing here locks.
+packages import it). Threads: ``wrap`` / ``restore`` run under the instrumentor's
+``_lock`` (any thread: a start-up hook, a test, a server's shutdown); ``_life`` is
+swapped under it too and read without it (a reference read).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 #: Marks a method as an instrumentor's wrapper (diagnostics and tests read it).
 WRAPPER_MARK = "__mlx_recovery_wrapper__"
@@ -91,6 +96,67 @@ class MethodPatches:
         wrapped, or only inherited it)."""
         original = self._originals.get((cls, name))
         return None if original is _MISSING else original
+
+
+class HostInstrumentor:
+    """What both host adapters do alike around their own ``instrument()``: the originals
+    table, the lifecycle it feeds (``_life``, set by ``instrument()``), uninstrument and
+    the per-engine look-ups. A subclass sets ``log`` to its module's logger."""
+
+    log: ClassVar[logging.Logger] = logging.getLogger(__name__)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._patches = MethodPatches()
+        self._life: Any = None
+        self.version: str | None = None
+
+    def _host_label(self) -> str:
+        """The host's name in log lines."""
+        raise NotImplementedError
+
+    @property
+    def is_instrumented(self) -> bool:
+        return bool(self._patches)
+
+    def uninstrument(self) -> None:
+        """Put back every original method, and tell plugins the engines are gone."""
+        with self._lock:
+            if not self._patches.restore():
+                return
+            life, self._life = self._life, None
+        if life is not None:
+            for record in life.forget_all():
+                life.engine_shutdown(record)
+        self.log.info("mlx-recovery: detached from %s; original methods restored", self._host_label())
+
+    # -- engines ---------------------------------------------------------------------
+
+    def attach(self, scheduler: Any) -> Any:
+        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
+        request; its port, or None (not instrumented, or the adapter leaves it alone)."""
+        life = self._life
+        record = life.engine(scheduler) if life is not None else None
+        return record.port if record is not None else None
+
+    def engine(self, scheduler: Any) -> Any:
+        """The port of a scheduler the adapter has seen."""
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.port if record is not None else None
+
+    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.driver.snapshot() if record is not None else None
+
+    def wake(self, scheduler: Any | None = None) -> None:
+        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
+        life = self._life
+        if life is None:
+            return
+        records = life.records() if scheduler is None else [life.get(scheduler)]
+        for record in records:
+            if record is not None:
+                record.driver.wake()
 
 
 def iter_wrapped(classes: Iterable[type]) -> list[str]:

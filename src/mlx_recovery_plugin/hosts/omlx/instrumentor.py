@@ -38,21 +38,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
-from ..instrumenting import MethodPatches, parse_version
+from ..instrumenting import HostInstrumentor, parse_version
 from ..instrumenting import iter_wrapped as iter_wrapped  # callers import it from here
 from .lifecycle import Lifecycle
 from .members import FLYTO_MLX, Member, VersionRange
 from .wrappers import FACTORIES
-
-if TYPE_CHECKING:
-    from .ports import OmlxEngine
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +65,12 @@ def version_supported(version: str, member: Member = FLYTO_MLX) -> bool:
     return bool(parsed) and parsed in member.versions
 
 
-class OmlxInstrumentor:
+class OmlxInstrumentor(HostInstrumentor):
     """The oMLX family's host adapter, bound to one member (:mod:`.members`); the entry
-    points ``omlx`` and ``fusion_mlx`` of ``mlx_recovery_plugin.hosts`` are instances."""
+    points ``omlx`` and ``fusion_mlx`` of ``mlx_recovery_plugin.hosts`` are instances.
+    Uninstrumenting and the per-engine look-ups are :class:`~..instrumenting.HostInstrumentor`'s."""
+
+    log = log
 
     def __init__(
         self,
@@ -81,16 +80,14 @@ class OmlxInstrumentor:
     ) -> None:
         """``clock`` drives idle-step delays; ``accept(scheduler)`` limits the adapter to
         some schedulers (the others run exactly as if it were not there)."""
+        super().__init__()
         self.member = member
         #: The adapter protocol's name and the module whose import means the host loads.
         self.name = member.name
         self.trigger_module = member.scheduler_module
         self._clock = clock
         self._accept = accept
-        self._lock = threading.RLock()
-        self._patches = MethodPatches()
         self._life: Lifecycle | None = None
-        self.version: str | None = None
 
     # -- the adapter protocol --------------------------------------------------------
 
@@ -99,10 +96,6 @@ class OmlxInstrumentor:
             return importlib.util.find_spec(self.member.package) is not None
         except (ImportError, ValueError):
             return False
-
-    @property
-    def is_instrumented(self) -> bool:
-        return bool(self._patches)
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
         """Wrap the member's scheduler and engine; True when attached (now or before).
@@ -140,16 +133,8 @@ class OmlxInstrumentor:
             )
             return True
 
-    def uninstrument(self) -> None:
-        """Put back every original method, and tell plugins the engines are gone."""
-        with self._lock:
-            if not self._patches.restore():
-                return
-            life, self._life = self._life, None
-        if life is not None:
-            for record in life.forget_all():
-                life.engine_shutdown(record)
-        log.info("mlx-recovery: detached from %s; original methods restored", self.member.label)
+    def _host_label(self) -> str:
+        return self.member.label
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
         """What the start-up hook waits for: the scheduler module (attach), and, where the
@@ -174,32 +159,6 @@ class OmlxInstrumentor:
         )
 
     # -- engines ---------------------------------------------------------------------
-
-    def attach(self, scheduler: Any) -> OmlxEngine | None:
-        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
-        request; its port, or None (not instrumented, or ``accept`` refuses it)."""
-        life = self._life
-        record = life.engine(scheduler) if life is not None else None
-        return record.port if record is not None else None
-
-    def engine(self, scheduler: Any) -> OmlxEngine | None:
-        """The port of a scheduler the adapter has seen."""
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.port if record is not None else None
-
-    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.driver.snapshot() if record is not None else None
-
-    def wake(self, scheduler: Any | None = None) -> None:
-        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
-        life = self._life
-        if life is None:
-            return
-        records = life.records() if scheduler is None else [life.get(scheduler)]
-        for record in records:
-            if record is not None:
-                record.driver.wake()
 
     def host_has_work(self, scheduler: Any) -> bool:
         """Would oMLX's engine loop step this scheduler for its own sake (requests,

@@ -41,19 +41,17 @@ import importlib
 import importlib.util
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..instrumenting import MethodPatches, parse_version
+from ..instrumenting import HostInstrumentor, parse_version
 
 if TYPE_CHECKING:
     import pluggy
 
     from .idle_driver import IdleDriver
     from .lifecycle import Lifecycle
-    from .ports import RapidEngine
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +97,11 @@ def block_tokens(environ: dict[str, str] | None = None) -> int:
     return value
 
 
-class RapidInstrumentor:
-    """The rapid-mlx host adapter (entry point ``rapid_mlx`` of ``mlx_recovery_plugin.hosts``)."""
+class RapidInstrumentor(HostInstrumentor):
+    """The rapid-mlx host adapter (entry point ``rapid_mlx`` of ``mlx_recovery_plugin.hosts``).
+    Uninstrumenting and the per-engine look-ups are :class:`~..instrumenting.HostInstrumentor`'s."""
+
+    log = log
 
     name = "rapid_mlx"
     trigger_module = "rapid_mlx.engine_core"
@@ -108,12 +109,10 @@ class RapidInstrumentor:
     def __init__(self, clock: Callable[[], float] = time.monotonic, block_size: int | None = None) -> None:
         """``clock`` drives idle-step delays; ``block_size`` is the granularity recovery
         publishes entries at (default: ``MLX_RECOVERY_RAPID_BLOCK_TOKENS`` or 256)."""
+        super().__init__()
         self._clock = clock
         self._block_size = block_size
-        self._lock = threading.RLock()
-        self._patches = MethodPatches()
         self._life: Lifecycle | None = None
-        self.version: str | None = None
 
     # -- the adapter protocol --------------------------------------------------------
 
@@ -122,10 +121,6 @@ class RapidInstrumentor:
             return importlib.util.find_spec(HOST_PACKAGE) is not None
         except (ImportError, ValueError):
             return False
-
-    @property
-    def is_instrumented(self) -> bool:
-        return bool(self._patches)
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
         """Wrap rapid-mlx's scheduler and engine; True when attached (now or before).
@@ -167,16 +162,8 @@ class RapidInstrumentor:
             )
             return True
 
-    def uninstrument(self) -> None:
-        """Put back every original method, and tell plugins the engines are gone."""
-        with self._lock:
-            if not self._patches.restore():
-                return
-            life, self._life = self._life, None
-        if life is not None:
-            for record in life.forget_all():
-                life.engine_shutdown(record)
-        log.info("mlx-recovery: detached from rapid-mlx; original methods restored")
+    def _host_label(self) -> str:
+        return "rapid-mlx"
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
         """What the start-up hook waits for: the engine module (it imports the scheduler)."""
@@ -184,34 +171,10 @@ class RapidInstrumentor:
 
     # -- engines ---------------------------------------------------------------------
 
-    def attach(self, scheduler: Any) -> RapidEngine | None:
-        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
-        request; its port, or None when not instrumented."""
-        life = self._life
-        record = life.engine(scheduler) if life is not None else None
-        return record.port if record is not None else None
-
-    def engine(self, scheduler: Any) -> RapidEngine | None:
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.port if record is not None else None
-
     def idle_driver(self, scheduler: Any) -> IdleDriver | None:
         record = self._life.get(scheduler) if self._life is not None else None
         return record.driver if record is not None else None
 
-    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.driver.snapshot() if record is not None else None
-
-    def wake(self, scheduler: Any | None = None) -> None:
-        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
-        life = self._life
-        if life is None:
-            return
-        records = life.records() if scheduler is None else [life.get(scheduler)]
-        for record in records:
-            if record is not None:
-                record.driver.wake()
 
 
 def rapid_version() -> str:
