@@ -6,7 +6,7 @@ host's ``admitted`` / ``sparse_served``), the original function and the original
 and returns a function with the same call signature that runs the original unchanged and
 tells the lifecycle what happened; the original's exceptions pass through untouched.
 Where the hosts differ (their ``add_request`` refusals, ``has_requests``, ``step``,
-resets, ``start``), the factories stay in each host's ``wrappers`` module.
+``deep_reset``, failures, ``start``), the factories stay in each host's ``wrappers`` module.
 
 Threads: each wrapper runs on the thread the host calls the method on (named per host in
 its ``instrumentor`` table); the shared state it touches is the lifecycle's, under the
@@ -80,6 +80,27 @@ def scheduler_do_abort_request(life: Any, original: Fn, originals: Mapping[str, 
         return aborted
 
     return _do_abort_request
+
+
+def resetting(deep: bool) -> Factory:
+    """A reset that empties the host's prefix cache: ``engine_reset`` (``deep`` as the
+    host means it) before the cache is emptied, so plugins give their blocks back while
+    they exist; not inside ``deep_reset`` (which reports itself). Then the sweep of what
+    the reset dropped."""
+
+    def factory(life: Any, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+        def reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            record = life.get(scheduler)
+            if record is not None and not getattr(life.local, "deep_reset", False):
+                life.engine_reset(record, deep=deep)
+            result = original(scheduler, *args, **kwargs)
+            if record is not None:
+                life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
+            return result
+
+        return reset
+
+    return factory
 
 
 # -- EngineCore (the event-loop thread, and whoever builds or closes it) -------------------

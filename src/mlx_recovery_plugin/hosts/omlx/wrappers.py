@@ -23,6 +23,7 @@ from ..wrapping import (
     engine_close,
     engine_init,
     engine_stop,
+    resetting,
     scheduler_cleanup_finished,
     scheduler_do_abort_request,
     scheduler_schedule_waiting,
@@ -128,20 +129,8 @@ def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mappin
     return fail_all_requests
 
 
-def scheduler_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    """Reported before oMLX clears its prefix cache, so plugins give their blocks back
-    while the blocks still exist."""
-
-    def reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        record = life.get(scheduler)
-        if record is not None and not getattr(life.local, "deep_reset", False):
-            life.engine_reset(record, deep=False)
-        result = original(scheduler, *args, **kwargs)
-        if record is not None:
-            life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
-        return result
-
-    return reset
+# oMLX's reset() keeps the model: a shallow reset for the plugins.
+scheduler_reset = resetting(deep=False)
 
 
 def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:

@@ -23,6 +23,7 @@ from ..wrapping import (
     engine_close,
     engine_init,
     engine_stop,
+    resetting,
     scheduler_cleanup_finished,
     scheduler_do_abort_request,
     scheduler_schedule_waiting,
@@ -122,23 +123,9 @@ def scheduler_recover_from_generation_error(life: Lifecycle, original: Fn, origi
     return _recover_from_generation_error
 
 
-def _resetting(deep_flag: bool) -> Factory:
-    """rapid-mlx's ``reset()`` and cache-error recovery empty the prefix cache too: both
-    are deep resets for the plugins, reported before the cache is emptied."""
-
-    def factory(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-        def wrapper(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            record = life.get(scheduler)
-            if record is not None and not getattr(life.local, "deep_reset", False):
-                life.engine_reset(record, deep=deep_flag)
-            result = original(scheduler, *args, **kwargs)
-            if record is not None:
-                life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
-            return result
-
-        return wrapper
-
-    return factory
+# rapid-mlx's reset() and cache-error recovery empty the prefix cache too: both are deep
+# resets for the plugins.
+scheduler_reset = resetting(deep=True)
 
 
 def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
@@ -228,8 +215,8 @@ FACTORIES: dict[tuple[str, str], Factory] = {
     ("Scheduler", "_cleanup_finished"): scheduler_cleanup_finished,
     ("Scheduler", "_do_abort_request"): scheduler_do_abort_request,
     ("Scheduler", "_recover_from_generation_error"): scheduler_recover_from_generation_error,
-    ("Scheduler", "_recover_from_cache_error"): _resetting(True),
-    ("Scheduler", "reset"): _resetting(True),
+    ("Scheduler", "_recover_from_cache_error"): scheduler_reset,
+    ("Scheduler", "reset"): scheduler_reset,
     ("Scheduler", "deep_reset"): scheduler_deep_reset,
     ("Scheduler", "clear_prefix_cache"): scheduler_clear_prefix_cache,
     ("EngineCore", "__init__"): engine_init(_engine_built),
