@@ -18,16 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...events import DepartureReason
-from ..wrapping import (
-    engine_add_request,
-    engine_close,
-    engine_init,
-    engine_stop,
-    resetting,
-    scheduler_cleanup_finished,
-    scheduler_do_abort_request,
-    scheduler_schedule_waiting,
-)
+from .. import wrapping
 from .lifecycle import Lifecycle, tokens_of_request
 
 Fn = Callable[..., Any]
@@ -130,7 +121,7 @@ def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mappin
 
 
 # oMLX's reset() keeps the model: a shallow reset for the plugins.
-scheduler_reset = resetting(deep=False)
+scheduler_reset = wrapping.resetting(deep=False)
 
 
 def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
@@ -207,18 +198,18 @@ FACTORIES: dict[tuple[str, str], Factory] = {
     ("Scheduler", "add_request"): scheduler_add_request,
     ("Scheduler", "has_requests"): scheduler_has_requests,
     ("Scheduler", "step"): scheduler_step,
-    ("Scheduler", "_schedule_waiting"): scheduler_schedule_waiting,
-    ("Scheduler", "_cleanup_finished"): scheduler_cleanup_finished,
-    ("Scheduler", "_do_abort_request"): scheduler_do_abort_request,
+    ("Scheduler", "_schedule_waiting"): wrapping.scheduler_schedule_waiting,
+    ("Scheduler", "_cleanup_finished"): wrapping.scheduler_cleanup_finished,
+    ("Scheduler", "_do_abort_request"): wrapping.scheduler_do_abort_request,
     ("Scheduler", "fail_all_requests"): scheduler_fail_all_requests,
     ("Scheduler", "reset"): scheduler_reset,
     ("Scheduler", "deep_reset"): scheduler_deep_reset,
     ("Scheduler", "shutdown"): scheduler_shutdown,
     ("Scheduler", "_recover_from_cache_error"): scheduler_recover_from_cache_error,
-    ("EngineCore", "__init__"): engine_init(_engine_built),
-    ("EngineCore", "add_request"): engine_add_request,
+    ("EngineCore", "__init__"): wrapping.engine_init(_engine_built),
+    ("EngineCore", "add_request"): wrapping.engine_add_request,
     ("EngineCore", "abort_all_requests"): engine_abort_all_requests,
     ("EngineCore", "start"): engine_start,
-    ("EngineCore", "stop"): engine_stop,
-    ("EngineCore", "close"): engine_close,
+    ("EngineCore", "stop"): wrapping.engine_stop,
+    ("EngineCore", "close"): wrapping.engine_close,
 }
