@@ -41,6 +41,8 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         try:
             result = original(scheduler, request, *args, **kwargs)
         except BaseException:
+            # Only an arrival this call reported: one reported at EngineCore's door departs
+            # there (rapid-mlx's refusal departs here either way; kept apart on purpose).
             if reported:
                 life.safe(life.depart, record, rid, DepartureReason.FAILED)
             raise
