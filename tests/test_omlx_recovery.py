@@ -24,6 +24,7 @@ from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens, stored_tokens
 from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
+from waiting import wait_until
 
 BLOCK = 64
 THRESHOLD = 256  # prompts whose uncached part is longer take the sparse route
@@ -180,15 +181,6 @@ def setup(
         hold.release.set()
         host.close()
         plugin.close()
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    pause = threading.Event()
-    for _ in range(int(WAIT_S / 0.01)):
-        if condition():
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def counters(plugin: RecoveryPlugin, host: OmlxContractHost) -> Any:

@@ -3,11 +3,9 @@ then oMLX is instrumented the moment its scheduler module is imported."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -18,24 +16,11 @@ omlx = pytest.importorskip(
     "omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests"
 )
 
+from hooked_python import HOOKS_DIR, run_python
 from mlx_recovery_plugin.hosts import startup
 from mlx_recovery_plugin.hosts.startup import PostImportFinder, enabled, install
 
-HOOKS_DIR = Path(__file__).resolve().parents[1] / "hooks"
 PTH = HOOKS_DIR / "mlx_recovery_plugin.pth"
-
-
-def run_python(code: str, **env: str) -> dict:
-    """Run ``code`` in a fresh interpreter that processes hooks/*.pth; it prints JSON."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RECOVERY_")}
-    environ.update(env)
-    prologue = f"import site, sys, json\nsite.addsitedir({str(HOOKS_DIR)!r})\n"
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", prologue + textwrap.dedent(code)],
-        env=environ, capture_output=True, text=True, timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_the_pth_file_is_one_line_that_only_reads_the_variable() -> None:

@@ -3,13 +3,9 @@ start-up hook from the environment alone, and light to import."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -19,26 +15,19 @@ pytest.importorskip("rapid_mlx.scheduler", reason="rapid-mlx is not installed; C
 from rapid_mlx.engine_core import EngineCore
 from rapid_mlx.scheduler import Scheduler
 
+import hooked_python
 from mlx_recovery_plugin.hosts.rapid import instrumentor as rapid_instrumentor
 from mlx_recovery_plugin.hosts.rapid.instrumentor import RapidInstrumentor, version_supported
 from mlx_recovery_plugin.hosts.rapid.wrappers import FACTORIES
 from mlx_recovery_plugin.plugins import make_plugin_manager
 
-HOOKS_DIR = Path(__file__).resolve().parents[1] / "hooks"
 CLASSES = {"Scheduler": Scheduler, "EngineCore": EngineCore}
 
 
 def run_python(code: str, **env: str) -> dict:
-    """Run ``code`` in a fresh interpreter that processes hooks/*.pth; it prints JSON."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RECOVERY_")}
-    environ.update(env, RAPID_MLX_TELEMETRY="0")
-    prologue = f"import site, sys, json\nsite.addsitedir({str(HOOKS_DIR)!r})\n"
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", prologue + textwrap.dedent(code)],
-        env=environ, capture_output=True, text=True, timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """:func:`hooked_python.run_python`, with rapid-mlx's telemetry off."""
+    result: dict = hooked_python.run_python(code, **{**env, "RAPID_MLX_TELEMETRY": "0"})
+    return result
 
 
 def test_only_the_versions_it_was_written_against_are_supported() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens, stored_tokens
 from mlx_recovery_plugin.testing.rapid_host import RapidContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
+from waiting import wait_until
 
 BLOCK = 64
 THRESHOLD = 256  # PFlash compresses a prompt whose uncached part is longer
@@ -82,15 +83,6 @@ def counters(plugin: RecoveryPlugin, host: RapidContractHost) -> Any:
     service = plugin.service(host.engine.engine_id)
     assert service is not None
     return service.snapshot().counters
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    pause = threading.Event()
-    for _ in range(int(WAIT_S / 0.01)):
-        if condition():
-            return
-        pause.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_compressed_turn_is_recovered_and_the_next_turn_appends_densely_on_it(

@@ -39,6 +39,7 @@ from ..hosts.omlx.ports import OmlxEngine
 from ..plugins import make_plugin_manager
 from ..ports import HOLDER_PREFIX
 from ..settings import RecoverySettings
+from .loop_thread import start_loop_thread, stop_loop_thread
 
 _names = itertools.count(1)
 _MAX_STEPS = 100_000
@@ -315,17 +316,7 @@ class OmlxContractHost:
     def start(self) -> None:
         if self._loop is not None:
             return
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            ready.set()
-            loop.run_forever()
-
-        self._loop_thread = threading.Thread(target=run, name="omlx-contract-loop", daemon=True)
-        self._loop_thread.start()
-        ready.wait()
+        loop, self._loop_thread = start_loop_thread("omlx-contract-loop")
         self._loop = loop
         asyncio.run_coroutine_threadsafe(self.core.start(), loop).result(30.0)
 
@@ -334,10 +325,7 @@ class OmlxContractHost:
         if loop is None:
             return
         asyncio.run_coroutine_threadsafe(self.core.stop(), loop).result(60.0)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._loop_thread is not None:
-            self._loop_thread.join(30.0)
-        loop.close()
+        stop_loop_thread(loop, self._loop_thread)
 
     def wait(self, request_id: str, timeout: float) -> OmlxResult:
         loop = self._loop

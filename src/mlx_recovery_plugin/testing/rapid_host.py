@@ -34,6 +34,7 @@ import pluggy
 from ..hosts.rapid.instrumentor import RapidInstrumentor
 from ..hosts.rapid.ports import RapidEngine
 from ..plugins import make_plugin_manager
+from .loop_thread import start_loop_thread, stop_loop_thread
 
 _names = itertools.count(1)
 _MAX_STEPS = 100_000
@@ -234,18 +235,7 @@ class RapidContractHost:
     def start(self) -> None:
         if self._loop is not None:
             return
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            ready.set()
-            loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name="rapid-contract-loop", daemon=True)
-        self._thread.start()
-        ready.wait()
-        self._loop = loop
+        self._loop, self._thread = start_loop_thread("rapid-contract-loop")
         self._on_loop(self.core.start())
 
     def stop(self) -> None:
@@ -253,9 +243,7 @@ class RapidContractHost:
         if loop is None or thread is None:
             return
         self._on_loop(self.core.stop())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+        stop_loop_thread(loop, thread)
         self._loop, self._thread = None, None
 
     def wait(self, request_id: str, timeout: float) -> RapidResult:

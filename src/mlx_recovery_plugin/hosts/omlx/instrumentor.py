@@ -35,23 +35,20 @@ Threads: see :mod:`.lifecycle`. ``instrument`` / ``uninstrument`` hold ``_lock``
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 
+from ..instrumenting import HostInstrumentor, parse_version
+from ..instrumenting import iter_wrapped as iter_wrapped  # callers import it from here
 from .lifecycle import Lifecycle
 from .members import FLYTO_MLX, Member, VersionRange
 from .wrappers import FACTORIES
-
-if TYPE_CHECKING:
-    from .ports import OmlxEngine
 
 log = logging.getLogger(__name__)
 
@@ -63,34 +60,17 @@ ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCor
 # Used by the ports, not wrapped: their absence means an oMLX this adapter does not know.
 SCHEDULER_NEEDS = ("_extract_cache_states", "set_specprefill_draft_model", "abort_request")
 
-_MISSING = object()
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """Leading numeric parts of a version string: ``"0.7.0rc1"`` -> ``(0, 7, 0)``."""
-    parts: list[int] = []
-    for piece in text.split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts)
-
-
 def version_supported(version: str, member: Member = FLYTO_MLX) -> bool:
     parsed = parse_version(version)
     return bool(parsed) and parsed in member.versions
 
 
-class OmlxInstrumentor:
+class OmlxInstrumentor(HostInstrumentor):
     """The oMLX family's host adapter, bound to one member (:mod:`.members`); the entry
-    points ``omlx`` and ``fusion_mlx`` of ``mlx_recovery_plugin.hosts`` are instances."""
+    points ``omlx`` and ``fusion_mlx`` of ``mlx_recovery_plugin.hosts`` are instances.
+    Uninstrumenting and the per-engine look-ups are :class:`~..instrumenting.HostInstrumentor`'s."""
+
+    log = log
 
     def __init__(
         self,
@@ -100,16 +80,14 @@ class OmlxInstrumentor:
     ) -> None:
         """``clock`` drives idle-step delays; ``accept(scheduler)`` limits the adapter to
         some schedulers (the others run exactly as if it were not there)."""
+        super().__init__()
         self.member = member
         #: The adapter protocol's name and the module whose import means the host loads.
         self.name = member.name
         self.trigger_module = member.scheduler_module
         self._clock = clock
         self._accept = accept
-        self._lock = threading.RLock()
-        self._originals: dict[tuple[type, str], Any] = {}
         self._life: Lifecycle | None = None
-        self.version: str | None = None
 
     # -- the adapter protocol --------------------------------------------------------
 
@@ -119,16 +97,12 @@ class OmlxInstrumentor:
         except (ImportError, ValueError):
             return False
 
-    @property
-    def is_instrumented(self) -> bool:
-        return bool(self._originals)
-
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
         """Wrap the member's scheduler and engine; True when attached (now or before).
         Hooks go to ``pm``, by default the process plugin manager."""
         member = self.member
         with self._lock:
-            if self._originals:
+            if self._patches:
                 return True
             classes = {"Scheduler": member.scheduler_class(), "EngineCore": member.engine_core_class()}
             version = member.version()
@@ -151,39 +125,16 @@ class OmlxInstrumentor:
             emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
             self._life = Lifecycle(emitter, self._clock, self._accept, member=member)
             self.version = version
-            originals: dict[str, Any] = {}
-            for (cls_name, name), factory in FACTORIES.items():
-                cls = classes[cls_name]
-                current = getattr(cls, name)
-                wrapper = factory(self._life, current, originals)
-                functools.update_wrapper(wrapper, current)
-                wrapper.__mlx_recovery_wrapper__ = True  # type: ignore[attr-defined]
-                self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
-                originals[f"{cls_name}.{name}"] = current
-                setattr(cls, name, wrapper)
+            self._patches.wrap(classes, FACTORIES, self._life)
             plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
             log.info(
                 "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed); "
-                "plugins: %s", member.label, version, len(self._originals), ", ".join(plugins) or "none",
+                "plugins: %s", member.label, version, len(self._patches), ", ".join(plugins) or "none",
             )
             return True
 
-    def uninstrument(self) -> None:
-        """Put back every original method, and tell plugins the engines are gone."""
-        with self._lock:
-            if not self._originals:
-                return
-            for (cls, name), original in self._originals.items():
-                if original is _MISSING:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, original)
-            self._originals.clear()
-            life, self._life = self._life, None
-        if life is not None:
-            for record in life.forget_all():
-                life.engine_shutdown(record)
-        log.info("mlx-recovery: detached from %s; original methods restored", self.member.label)
+    def _host_label(self) -> str:
+        return self.member.label
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
         """What the start-up hook waits for: the scheduler module (attach), and, where the
@@ -209,43 +160,11 @@ class OmlxInstrumentor:
 
     # -- engines ---------------------------------------------------------------------
 
-    def attach(self, scheduler: Any) -> OmlxEngine | None:
-        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
-        request; its port, or None (not instrumented, or ``accept`` refuses it)."""
-        life = self._life
-        record = life.engine(scheduler) if life is not None else None
-        return record.port if record is not None else None
-
-    def engine(self, scheduler: Any) -> OmlxEngine | None:
-        """The port of a scheduler the adapter has seen."""
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.port if record is not None else None
-
-    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.driver.snapshot() if record is not None else None
-
-    def wake(self, scheduler: Any | None = None) -> None:
-        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
-        life = self._life
-        if life is None:
-            return
-        records = life.records() if scheduler is None else [life.get(scheduler)]
-        for record in records:
-            if record is not None:
-                record.driver.wake()
-
     def host_has_work(self, scheduler: Any) -> bool:
         """Would oMLX's engine loop step this scheduler for its own sake (requests,
         deferred clears, a pending abort-all notice), idle offers aside?"""
-        has_requests = next(
-            (
-                self._originals[(cls, "has_requests")]
-                for cls in type(scheduler).__mro__
-                if callable(self._originals.get((cls, "has_requests")))
-            ),
-            type(scheduler).has_requests,
-        )
+        originals = (self._patches.own_original(cls, "has_requests") for cls in type(scheduler).__mro__)
+        has_requests = next((o for o in originals if callable(o)), type(scheduler).has_requests)
         record = self._life.get(scheduler) if self._life is not None else None
         return bool(has_requests(scheduler)) or (record is not None and record.aborted_all_pending)
 
@@ -262,12 +181,3 @@ def _resolves(member: Member, dotted: str) -> bool:
         return False
     return True
 
-
-def iter_wrapped(classes: Iterable[type]) -> list[str]:
-    """Names of the methods currently wrapped by an instrumentor (diagnostics)."""
-    return [
-        f"{cls.__name__}.{name}"
-        for cls in classes
-        for name, value in vars(cls).items()
-        if getattr(value, "__mlx_recovery_wrapper__", False)
-    ]

@@ -5,67 +5,53 @@ one :class:`EngineRecord` per scheduler (made, and ``engine_attached`` reported,
 sight) with the requests the plugins were told about, so that every arrival is reported
 once and is matched by exactly one departure, whichever oMLX path removed the request.
 
+The engine table, the request balance and the hook calls both hosts make alike are
+:class:`~..records.EngineBook`'s; what is oMLX's own here is what its queues mean
+(``prefilling`` counts as admitted and busy), its sparse route, and the abort-all notice.
+
 Threads: wrappers call in on whatever thread oMLX runs the method on. The engine table is
 guarded by ``_lock``, each record by its own ``lock``; hooks are called outside both.
+``aborted_all_pending`` is set on the event-loop thread and cleared on the engine thread.
 Nothing here raises into oMLX: :meth:`Lifecycle.safe` logs the adapter's own faults once.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...events import (
-    DepartureReason,
-    IdleStep,
-    RequestAdmitted,
-    RequestArrived,
-    RequestDeparted,
-    SparseRouteServed,
-)
+from ...events import DepartureReason, RequestAdmitted, SparseRouteServed
+from ..records import EngineBook, LiveRequest, tokens_of_prompt, tokens_of_request
+from ..records import EngineRecord as _EngineRecord
 from .idle_driver import IdleDriver
 from .members import FLYTO_MLX, Member
 
-if TYPE_CHECKING:  # both pull MLX in; the start-up hook loads this module before oMLX
+if TYPE_CHECKING:  # it pulls pluggy in; the start-up hook loads this module before oMLX
     from ...plugins import HookEmitter
-    from .ports import OmlxEngine
+
+__all__ = ["EngineRecord", "Lifecycle", "LiveRequest", "sparse_route_settings", "tokens_of_prompt", "tokens_of_request"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class LiveRequest:
-    """A request the plugins were told about; ``in_scheduler``: oMLX's scheduler has it
-    (an arrival reported at ``EngineCore``'s door may still wait for the engine thread)."""
+class EngineRecord(_EngineRecord):
+    """The adapter's view of one oMLX engine (``port``: its :class:`~.ports.OmlxEngine`,
+    ``driver``: its :class:`~.idle_driver.IdleDriver`). Fields below ``lock`` are guarded
+    by it, except ``aborted_all_pending``: a flag the event-loop thread sets and the engine
+    thread clears."""
 
-    in_scheduler: bool = False
-    admitted: bool = False
-    arrived_at: float | None = None
-    first_token_at: float | None = None
-
-
-@dataclass(slots=True)
-class EngineRecord:
-    """The adapter's view of one oMLX engine. Fields below ``lock`` are guarded by it."""
-
-    engine_id: str
-    port: OmlxEngine
-    driver: IdleDriver
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    live: dict[str, LiveRequest] = field(default_factory=dict)
-    pending_arrivals: int = 0
-    attached: bool = False
     aborted_all_pending: bool = False
     last_step_error: str | None = None
 
 
-class Lifecycle:
+class Lifecycle(EngineBook):
     """Engines, requests and hook emission for one instrumentation of oMLX."""
+
+    log = log
+    fault_format = "mlx-recovery: oMLX adapter error in %s: %r"
 
     def __init__(
         self,
@@ -74,49 +60,11 @@ class Lifecycle:
         accept: Callable[[Any], bool] | None = None,
         member: Member = FLYTO_MLX,
     ) -> None:
-        self.emitter = emitter
+        super().__init__(emitter, clock, accept)
         #: The family member whose scheduler this instrumentation wraps.
         self.member = member
-        self._clock = clock
-        self._accept = accept
-        self._lock = threading.Lock()
-        self._records: weakref.WeakKeyDictionary[Any, EngineRecord] = weakref.WeakKeyDictionary()
-        self._engine_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self._counter = itertools.count(1)
-        self._reported: set[str] = set()
-        #: Per-thread flag: inside ``deep_reset`` (whose own ``reset()`` is not reported).
-        self.local = threading.local()
 
     # -- engines -----------------------------------------------------------------------
-
-    def get(self, scheduler: Any) -> EngineRecord | None:
-        """The record of a scheduler already seen (never makes one)."""
-        return self._records.get(scheduler)
-
-    def records(self) -> list[EngineRecord]:
-        with self._lock:
-            return list(self._records.values())
-
-    def name_engine(self, scheduler: Any, engine_id: str) -> None:
-        """Use ``EngineCore``'s id for this scheduler (called before it is first seen)."""
-        with self._lock:
-            self._engine_ids[scheduler] = engine_id
-
-    def engine(self, scheduler: Any) -> EngineRecord | None:
-        """The scheduler's record, made and attached on first sight (and re-attached after
-        a stop); None for a scheduler the adapter was told to leave alone."""
-        record = self._records.get(scheduler)
-        if record is None:
-            if self._accept is not None and not self._accept(scheduler):
-                return None
-            with self._lock:
-                record = self._records.get(scheduler)
-                if record is None:
-                    record = self._new_record(scheduler)
-                    self._records[scheduler] = record
-        if not record.attached:
-            self.attach(record)
-        return record
 
     def _new_record(self, scheduler: Any) -> EngineRecord:
         from .ports import OmlxEngine, model_id_of
@@ -132,13 +80,7 @@ class Lifecycle:
         box.append(record)
         return record
 
-    def attach(self, record: EngineRecord) -> None:
-        with record.lock:
-            if record.attached:
-                return
-            record.attached = True
-        record.driver.resume()
-        record.driver.wake()
+    def _log_attached(self, record: EngineRecord) -> None:
         port = record.port
         log.info(
             "mlx-recovery: engine %s attached (model %s, block %d tokens, prefix cache %s)",
@@ -147,51 +89,8 @@ class Lifecycle:
             port.block_size,
             "on" if port.prefix_cache.enabled else "off: nothing can be recovered",
         )
-        self.emitter.engine_attached(port)
-
-    def detach(self, record: EngineRecord) -> bool:
-        """Mark the engine gone (no idle steps); True if it was attached."""
-        record.driver.stop()
-        with record.lock:
-            was, record.attached = record.attached, False
-        return was
-
-    def forget_all(self) -> list[EngineRecord]:
-        """Drop every record (uninstrument); returns those that were attached."""
-        with self._lock:
-            records = list(self._records.values())
-            self._records = weakref.WeakKeyDictionary()
-        return [r for r in records if self.detach(r)]
 
     # -- requests ----------------------------------------------------------------------
-
-    def arrive(self, record: EngineRecord, request_id: str, tokens: tuple[int, ...], in_scheduler: bool) -> bool:
-        """Report an arrival once; True if this call reported it."""
-        with record.lock:
-            live = record.live.get(request_id)
-            if live is not None:
-                live.in_scheduler = live.in_scheduler or in_scheduler
-                return False
-            record.live[request_id] = LiveRequest(in_scheduler=in_scheduler, arrived_at=self._clock())
-        record.driver.note_work()
-        self.emitter.request_arrived(
-            RequestArrived(
-                engine_id=record.engine_id,
-                request_id=request_id,
-                model_id=record.port.model_id,
-                prompt_tokens=tokens,
-            ),
-        )
-        return True
-
-    def depart(self, record: EngineRecord, request_id: str, reason: DepartureReason) -> None:
-        """Report a departure of a request that arrived and has not departed yet."""
-        with record.lock:
-            if record.live.pop(request_id, None) is None:
-                return
-        self.emitter.request_departed(
-            RequestDeparted(engine_id=record.engine_id, request_id=request_id, reason=reason),
-        )
 
     def sweep(self, record: EngineRecord, scheduler: Any, reason: DepartureReason) -> None:
         """Report departures oMLX made without a method of its own (refused admissions)."""
@@ -258,28 +157,6 @@ class Lifecycle:
             record.aborted_all_pending = False
             self.engine_aborted_all(record)
 
-    def after_step(self, record: EngineRecord, scheduler: Any, real_work: bool) -> None:
-        if real_work:
-            record.driver.note_work()
-            self.note_first_tokens(record, scheduler)
-        self.sweep(record, scheduler, DepartureReason.FAILED)
-
-    def note_first_tokens(self, record: EngineRecord, scheduler: Any) -> None:
-        """Time the first token of each admitted request (its prefill's end)."""
-        with record.lock:
-            waiting = [rid for rid, live in record.live.items() if live.admitted and live.first_token_at is None]
-        if not waiting:
-            return
-        now = self._clock()
-        for rid in waiting:
-            request = scheduler.running.get(rid)
-            if request is None or not getattr(request, "output_token_ids", None):
-                continue
-            with record.lock:
-                live = record.live.get(rid)
-                if live is not None and live.first_token_at is None:
-                    live.first_token_at = now
-
     def idle_now(self, record: EngineRecord, scheduler: Any) -> bool:
         if scheduler.waiting or scheduler.prefilling or scheduler.running:
             return False
@@ -287,44 +164,10 @@ class Lifecycle:
             return False
         return record.driver.wants_step()
 
-    # -- hook calls: the one place the oMLX adapter talks to plugins ---------------------
-    # (arrival, admission and departure are reported by the bookkeeping methods above)
-
-    def request_aborted(self, record: EngineRecord, request_id: str) -> None:
-        self.emitter.request_aborted(record.engine_id, request_id)
+    # -- hook calls oMLX's own (the others are EngineBook's) -----------------------------
 
     def engine_aborted_all(self, record: EngineRecord) -> None:
         self.emitter.engine_aborted_all(record.engine_id)
-
-    def engine_failed_all(self, record: EngineRecord, error: str) -> None:
-        self.emitter.engine_failed_all(record.engine_id, error)
-
-    def engine_reset(self, record: EngineRecord, *, deep: bool) -> None:
-        self.emitter.engine_reset(record.engine_id, deep)
-
-    def engine_shutdown(self, record: EngineRecord) -> None:
-        self.emitter.engine_shutdown(record.engine_id)
-
-    def model_unloaded(self, record: EngineRecord) -> None:
-        self.emitter.model_unloaded(record.engine_id, record.port.model_id)
-
-    def engine_idle_step(self, event: IdleStep) -> list[bool | float]:
-        return self.emitter.engine_idle_step(event)
-
-    def sparse_route_served(self, event: SparseRouteServed) -> None:
-        self.emitter.sparse_route_served(event)
-
-    def safe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run the adapter's own bookkeeping; a fault there is logged once, never raised
-        into oMLX, and reads as None."""
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
-            if key not in self._reported:
-                self._reported.add(key)
-                log.error("mlx-recovery: oMLX adapter error in %s: %r", key, exc, exc_info=exc)
-            return None
 
 
 def sparse_route_settings(request: Any, member: Member = FLYTO_MLX) -> tuple[int | None, float | None]:
@@ -337,14 +180,3 @@ def sparse_route_settings(request: Any, member: Member = FLYTO_MLX) -> tuple[int
         int(threshold) if threshold is not None else None,
         float(keep) if keep is not None else None,
     )
-
-
-def tokens_of_request(request: Any) -> tuple[int, ...]:
-    ids = getattr(request, "prompt_token_ids", None)
-    return tokens_of_prompt(getattr(request, "prompt", None) if ids is None else ids)
-
-
-def tokens_of_prompt(prompt: Any) -> tuple[int, ...]:
-    """Token ids when the prompt already is a list of them; a text prompt is not tokenized
-    here (the arrival hook must stay cheap), so it reports no tokens."""
-    return tuple(prompt) if isinstance(prompt, (list, tuple)) else ()

@@ -7,18 +7,19 @@ adapter's own faults are logged by ``Lifecycle.safe``. :data:`FACTORIES` lists t
 ``(class name, method name)``.
 
 Which hook each method becomes, and on which thread, is tabled in :mod:`.instrumentor`.
+
+The factories whose methods mean the same on both hosts are :mod:`..wrapping`'s; this
+table takes them alongside its own.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...events import DepartureReason
-from .lifecycle import Lifecycle, tokens_of_prompt, tokens_of_request
+from .. import wrapping
+from .lifecycle import Lifecycle, tokens_of_request
 
 Fn = Callable[..., Any]
 #: ``(lifecycle, original, originals by "Class.method") -> wrapper``
@@ -40,6 +41,8 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         try:
             result = original(scheduler, request, *args, **kwargs)
         except BaseException:
+            # Only an arrival this call reported: one reported at EngineCore's door departs
+            # there (rapid-mlx's refusal departs here either way; kept apart on purpose).
             if reported:
                 life.safe(life.depart, record, rid, DepartureReason.FAILED)
             raise
@@ -104,56 +107,6 @@ def scheduler_step(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -
     return step
 
 
-def scheduler_schedule_waiting(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    def _schedule_waiting(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        record = life.get(scheduler)
-        before = [r.request_id for r in scheduler.waiting] if record is not None else []
-        result = original(scheduler, *args, **kwargs)
-        if record is not None:
-            life.safe(life.admitted, record, scheduler, before)
-        return result
-
-    return _schedule_waiting
-
-
-def scheduler_cleanup_finished(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    def _cleanup_finished(scheduler: Any, finished_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        record = life.get(scheduler)
-        ids = list(finished_ids or ())
-        served = []
-        if record is not None:
-            for rid in ids:
-                event = life.safe(life.sparse_served, record, scheduler, rid)
-                if event is not None:
-                    served.append(event)
-        result = original(scheduler, finished_ids, *args, **kwargs)
-        if record is not None:
-            for event in served:
-                life.sparse_route_served(event)
-            for rid in ids:
-                life.safe(life.depart, record, rid, DepartureReason.FINISHED)
-        return result
-
-    return _cleanup_finished
-
-
-def scheduler_do_abort_request(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    """Where a queued ``abort_request`` is applied (inside ``step()``, or by ``reset()``)."""
-
-    def _do_abort_request(scheduler: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
-        record = life.get(scheduler)
-        served = life.safe(life.sparse_served, record, scheduler, request_id) if record else None
-        aborted = original(scheduler, request_id, *args, **kwargs)
-        if record is not None and aborted:
-            if served is not None:
-                life.sparse_route_served(served)
-            life.request_aborted(record, request_id)
-            life.safe(life.depart, record, request_id, DepartureReason.ABORTED)
-        return aborted
-
-    return _do_abort_request
-
-
 def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
     def fail_all_requests(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         failed = original(scheduler, *args, **kwargs)
@@ -169,20 +122,8 @@ def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mappin
     return fail_all_requests
 
 
-def scheduler_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    """Reported before oMLX clears its prefix cache, so plugins give their blocks back
-    while the blocks still exist."""
-
-    def reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        record = life.get(scheduler)
-        if record is not None and not getattr(life.local, "deep_reset", False):
-            life.engine_reset(record, deep=False)
-        result = original(scheduler, *args, **kwargs)
-        if record is not None:
-            life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
-        return result
-
-    return reset
+# oMLX's reset() keeps the model: a shallow reset for the plugins.
+scheduler_reset = wrapping.resetting(deep=False)
 
 
 def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
@@ -226,57 +167,9 @@ def scheduler_recover_from_cache_error(life: Lifecycle, original: Fn, originals:
 # -- EngineCore (the event-loop thread, and the thread that builds or closes it) -----------
 
 
-def engine_init(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
-        original(engine, *args, **kwargs)
-        life.safe(_engine_built, life, engine)
-
-    return __init__
-
-
 def _engine_built(life: Lifecycle, engine: Any) -> None:
     life.name_engine(engine.scheduler, engine.engine_id)
     life.engine(engine.scheduler)
-
-
-def engine_add_request(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    """Reports the arrival before the request queues for the engine thread, which may be
-    busy with a step or an idle slice that must yield to it."""
-    signature = inspect.signature(original)
-
-    async def add_request(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        scheduler = getattr(engine, "scheduler", None)
-        try:
-            bound = signature.bind(engine, *args, **kwargs)
-        except TypeError:
-            bound = None  # oMLX reports the bad call itself
-        if bound is None or scheduler is None:
-            return await original(engine, *args, **kwargs)
-        if bound.arguments.get("request_id") is None:
-            # EngineCore would make this same kind of id itself, a moment later.
-            bound.arguments["request_id"] = str(uuid.uuid4())
-        rid = bound.arguments["request_id"]
-        record = life.safe(life.engine, scheduler)
-        reported = False
-        if record is not None:
-            tokens = tokens_of_prompt(bound.arguments.get("prompt"))
-            reported = bool(life.safe(life.arrive, record, rid, tokens, False))
-            with record.lock:
-                record.pending_arrivals += 1
-        try:
-            return await original(*bound.args, **bound.kwargs)
-        except BaseException as exc:
-            if reported and rid not in getattr(scheduler, "requests", {}):
-                cancelled = isinstance(exc, asyncio.CancelledError)
-                reason = DepartureReason.ABORTED if cancelled else DepartureReason.FAILED
-                life.safe(life.depart, record, rid, reason)
-            raise
-        finally:
-            if record is not None:
-                with record.lock:
-                    record.pending_arrivals -= 1
-
-    return add_request
 
 
 def engine_abort_all_requests(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
@@ -303,49 +196,22 @@ def engine_start(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> 
     return start
 
 
-def engine_stop(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    async def stop(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        scheduler = getattr(engine, "scheduler", None)
-        record = life.get(scheduler) if scheduler is not None else None
-        if record is not None and life.safe(life.detach, record):
-            life.engine_shutdown(record)
-        return await original(engine, *args, **kwargs)
-
-    return stop
-
-
-def engine_close(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -> Fn:
-    """``EnginePool`` unloads reach here through ``BatchedEngine.stop``."""
-
-    def close(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        scheduler = getattr(engine, "scheduler", None)
-        record = life.get(scheduler) if scheduler is not None else None
-        if record is not None and not getattr(engine, "_closed", False):
-            # oMLX stops an engine before closing it; a bare close() reports both too.
-            if life.safe(life.detach, record):
-                life.engine_shutdown(record)
-            life.model_unloaded(record)
-        return original(engine, *args, **kwargs)
-
-    return close
-
-
 FACTORIES: dict[tuple[str, str], Factory] = {
     ("Scheduler", "add_request"): scheduler_add_request,
     ("Scheduler", "has_requests"): scheduler_has_requests,
     ("Scheduler", "step"): scheduler_step,
-    ("Scheduler", "_schedule_waiting"): scheduler_schedule_waiting,
-    ("Scheduler", "_cleanup_finished"): scheduler_cleanup_finished,
-    ("Scheduler", "_do_abort_request"): scheduler_do_abort_request,
+    ("Scheduler", "_schedule_waiting"): wrapping.scheduler_schedule_waiting,
+    ("Scheduler", "_cleanup_finished"): wrapping.scheduler_cleanup_finished,
+    ("Scheduler", "_do_abort_request"): wrapping.scheduler_do_abort_request,
     ("Scheduler", "fail_all_requests"): scheduler_fail_all_requests,
     ("Scheduler", "reset"): scheduler_reset,
     ("Scheduler", "deep_reset"): scheduler_deep_reset,
     ("Scheduler", "shutdown"): scheduler_shutdown,
     ("Scheduler", "_recover_from_cache_error"): scheduler_recover_from_cache_error,
-    ("EngineCore", "__init__"): engine_init,
-    ("EngineCore", "add_request"): engine_add_request,
+    ("EngineCore", "__init__"): wrapping.engine_init(_engine_built),
+    ("EngineCore", "add_request"): wrapping.engine_add_request,
     ("EngineCore", "abort_all_requests"): engine_abort_all_requests,
     ("EngineCore", "start"): engine_start,
-    ("EngineCore", "stop"): engine_stop,
-    ("EngineCore", "close"): engine_close,
+    ("EngineCore", "stop"): wrapping.engine_stop,
+    ("EngineCore", "close"): wrapping.engine_close,
 }

@@ -37,22 +37,21 @@ Threads: see :mod:`.lifecycle`. ``instrument`` / ``uninstrument`` hold ``_lock``
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from ..instrumenting import HostInstrumentor, parse_version
 
 if TYPE_CHECKING:
     import pluggy
 
     from .idle_driver import IdleDriver
     from .lifecycle import Lifecycle
-    from .ports import RapidEngine
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +70,6 @@ DEFAULT_BLOCK_TOKENS = 256
 # Used by the ports and wrappers, not wrapped: their absence means a rapid-mlx this
 # adapter does not know.
 SCHEDULER_NEEDS = ("abort_request", "SchedulerOutput")
-
-_MISSING = object()
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """Leading numeric parts of a version string: ``"0.16.10rc1"`` -> ``(0, 16, 10)``."""
-    parts: list[int] = []
-    for piece in text.split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts)
-
 
 def version_supported(version: str) -> bool:
     parsed = parse_version(version)
@@ -118,8 +97,11 @@ def block_tokens(environ: dict[str, str] | None = None) -> int:
     return value
 
 
-class RapidInstrumentor:
-    """The rapid-mlx host adapter (entry point ``rapid_mlx`` of ``mlx_recovery_plugin.hosts``)."""
+class RapidInstrumentor(HostInstrumentor):
+    """The rapid-mlx host adapter (entry point ``rapid_mlx`` of ``mlx_recovery_plugin.hosts``).
+    Uninstrumenting and the per-engine look-ups are :class:`~..instrumenting.HostInstrumentor`'s."""
+
+    log = log
 
     name = "rapid_mlx"
     trigger_module = "rapid_mlx.engine_core"
@@ -127,12 +109,10 @@ class RapidInstrumentor:
     def __init__(self, clock: Callable[[], float] = time.monotonic, block_size: int | None = None) -> None:
         """``clock`` drives idle-step delays; ``block_size`` is the granularity recovery
         publishes entries at (default: ``MLX_RECOVERY_RAPID_BLOCK_TOKENS`` or 256)."""
+        super().__init__()
         self._clock = clock
         self._block_size = block_size
-        self._lock = threading.RLock()
-        self._originals: dict[tuple[type, str], Any] = {}
         self._life: Lifecycle | None = None
-        self.version: str | None = None
 
     # -- the adapter protocol --------------------------------------------------------
 
@@ -142,15 +122,11 @@ class RapidInstrumentor:
         except (ImportError, ValueError):
             return False
 
-    @property
-    def is_instrumented(self) -> bool:
-        return bool(self._originals)
-
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
         """Wrap rapid-mlx's scheduler and engine; True when attached (now or before).
         Hooks go to ``pm``, by default the process plugin manager."""
         with self._lock:
-            if self._originals:
+            if self._patches:
                 return True
             version = rapid_version()
             if not version_supported(version):
@@ -179,38 +155,15 @@ class RapidInstrumentor:
             size = self._block_size if self._block_size is not None else block_tokens()
             self._life = Lifecycle(emitter, self._clock, size)
             self.version = version
-            originals: dict[str, Any] = {}
-            for (cls_name, name), factory in FACTORIES.items():
-                cls = classes[cls_name]
-                current = getattr(cls, name)
-                wrapper = factory(self._life, current, originals)
-                functools.update_wrapper(wrapper, current)
-                wrapper.__mlx_recovery_wrapper__ = True  # type: ignore[attr-defined]
-                self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
-                originals[f"{cls_name}.{name}"] = current
-                setattr(cls, name, wrapper)
+            self._patches.wrap(classes, FACTORIES, self._life)
             log.info(
                 "mlx-recovery: attached to rapid-mlx %s (%d methods wrapped, no file changed)",
-                version, len(self._originals),
+                version, len(self._patches),
             )
             return True
 
-    def uninstrument(self) -> None:
-        """Put back every original method, and tell plugins the engines are gone."""
-        with self._lock:
-            if not self._originals:
-                return
-            for (cls, name), original in self._originals.items():
-                if original is _MISSING:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, original)
-            self._originals.clear()
-            life, self._life = self._life, None
-        if life is not None:
-            for record in life.forget_all():
-                life.engine_shutdown(record)
-        log.info("mlx-recovery: detached from rapid-mlx; original methods restored")
+    def _host_label(self) -> str:
+        return "rapid-mlx"
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
         """What the start-up hook waits for: the engine module (it imports the scheduler)."""
@@ -218,34 +171,10 @@ class RapidInstrumentor:
 
     # -- engines ---------------------------------------------------------------------
 
-    def attach(self, scheduler: Any) -> RapidEngine | None:
-        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
-        request; its port, or None when not instrumented."""
-        life = self._life
-        record = life.engine(scheduler) if life is not None else None
-        return record.port if record is not None else None
-
-    def engine(self, scheduler: Any) -> RapidEngine | None:
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.port if record is not None else None
-
     def idle_driver(self, scheduler: Any) -> IdleDriver | None:
         record = self._life.get(scheduler) if self._life is not None else None
         return record.driver if record is not None else None
 
-    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
-        record = self._life.get(scheduler) if self._life is not None else None
-        return record.driver.snapshot() if record is not None else None
-
-    def wake(self, scheduler: Any | None = None) -> None:
-        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
-        life = self._life
-        if life is None:
-            return
-        records = life.records() if scheduler is None else [life.get(scheduler)]
-        for record in records:
-            if record is not None:
-                record.driver.wake()
 
 
 def rapid_version() -> str:

@@ -1,0 +1,169 @@
+"""Wrapping a host's methods in place, and putting back exactly what was there.
+
+Both host adapters (:mod:`.omlx`, :mod:`.rapid`) replace methods on their host's classes
+with the wrappers of a factory table ``{(class name, method name): factory}``, each
+factory called as ``factory(lifecycle, current method, originals by "Class.method")``.
+:class:`MethodPatches` does that loop and keeps the originals table, so ``restore()``
+puts back the very objects that were in each class's ``__dict__`` (deleting what was
+only inherited). :class:`HostInstrumentor` is what both adapter classes do alike once
+attached (uninstrument, the per-engine look-ups, waking idle offers); the version
+parsing both adapters gate on is here too.
+
+Importing this module imports neither a host, MLX, asyncio nor pluggy (the entry-point
+packages import it). Threads: ``wrap`` / ``restore`` run under the instrumentor's
+``_lock`` (any thread: a start-up hook, a test, a server's shutdown); ``_life`` is
+swapped under it too and read without it (a reference read).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+#: Marks a method as an instrumentor's wrapper (diagnostics and tests read it).
+WRAPPER_MARK = "__mlx_recovery_wrapper__"
+
+_MISSING = object()
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric parts of a version string: ``"0.7.0rc1"`` -> ``(0, 7, 0)``."""
+    parts: list[int] = []
+    for piece in text.split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+class MethodPatches:
+    """The methods one instrumentation replaced, with what each class held before."""
+
+    def __init__(self) -> None:
+        # (class, method name) -> the class's own attribute before wrapping, or _MISSING
+        # where the method was inherited.
+        self._originals: dict[tuple[type, str], Any] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._originals)
+
+    def __len__(self) -> int:
+        return len(self._originals)
+
+    def wrap(
+        self,
+        classes: Mapping[str, type],
+        factories: Mapping[tuple[str, str], Callable[[Any, Any, Mapping[str, Any]], Any]],
+        life: Any,
+    ) -> None:
+        """Replace each ``classes[cls_name].name`` with its factory's wrapper, in table
+        order (a factory may read an earlier method's original from ``originals``)."""
+        originals: dict[str, Any] = {}
+        for (cls_name, name), factory in factories.items():
+            cls = classes[cls_name]
+            current = getattr(cls, name)
+            wrapper = factory(life, current, originals)
+            functools.update_wrapper(wrapper, current)
+            setattr(wrapper, WRAPPER_MARK, True)
+            self._originals[(cls, name)] = cls.__dict__.get(name, _MISSING)
+            originals[f"{cls_name}.{name}"] = current
+            setattr(cls, name, wrapper)
+
+    def restore(self) -> bool:
+        """Put back every original; False when nothing was wrapped."""
+        if not self._originals:
+            return False
+        for (cls, name), original in self._originals.items():
+            if original is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._originals.clear()
+        return True
+
+    def own_original(self, cls: type, name: str) -> Any:
+        """What ``cls`` itself held as ``name`` before wrapping (None where it was not
+        wrapped, or only inherited it)."""
+        original = self._originals.get((cls, name))
+        return None if original is _MISSING else original
+
+
+class HostInstrumentor:
+    """What both host adapters do alike around their own ``instrument()``: the originals
+    table, the lifecycle it feeds (``_life``, set by ``instrument()``), uninstrument and
+    the per-engine look-ups. A subclass sets ``log`` to its module's logger."""
+
+    log: ClassVar[logging.Logger] = logging.getLogger(__name__)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._patches = MethodPatches()
+        self._life: Any = None
+        self.version: str | None = None
+
+    def _host_label(self) -> str:
+        """The host's name in log lines."""
+        raise NotImplementedError
+
+    @property
+    def is_instrumented(self) -> bool:
+        return bool(self._patches)
+
+    def uninstrument(self) -> None:
+        """Put back every original method, and tell plugins the engines are gone."""
+        with self._lock:
+            if not self._patches.restore():
+                return
+            life, self._life = self._life, None
+        if life is not None:
+            for record in life.forget_all():
+                life.engine_shutdown(record)
+        self.log.info("mlx-recovery: detached from %s; original methods restored", self._host_label())
+
+    # -- engines ---------------------------------------------------------------------
+
+    def attach(self, scheduler: Any) -> Any:
+        """Attach a scheduler now (``engine_attached`` fires) rather than at its first
+        request; its port, or None (not instrumented, or the adapter leaves it alone)."""
+        life = self._life
+        record = life.engine(scheduler) if life is not None else None
+        return record.port if record is not None else None
+
+    def engine(self, scheduler: Any) -> Any:
+        """The port of a scheduler the adapter has seen."""
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.port if record is not None else None
+
+    def idle_snapshot(self, scheduler: Any) -> dict[str, Any] | None:
+        record = self._life.get(scheduler) if self._life is not None else None
+        return record.driver.snapshot() if record is not None else None
+
+    def wake(self, scheduler: Any | None = None) -> None:
+        """Offer idle steps again (one engine, or all), e.g. after a budget change."""
+        life = self._life
+        if life is None:
+            return
+        records = life.records() if scheduler is None else [life.get(scheduler)]
+        for record in records:
+            if record is not None:
+                record.driver.wake()
+
+
+def iter_wrapped(classes: Iterable[type]) -> list[str]:
+    """Names of the methods currently wrapped by an instrumentor (diagnostics)."""
+    return [
+        f"{cls.__name__}.{name}"
+        for cls in classes
+        for name, value in vars(cls).items()
+        if getattr(value, WRAPPER_MARK, False)
+    ]

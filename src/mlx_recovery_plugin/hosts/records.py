@@ -1,0 +1,249 @@
+"""Per-engine records and the arrival/departure balance both host adapters keep.
+
+A host's lifecycle (:mod:`.omlx.lifecycle`, :mod:`.rapid.lifecycle`) subclasses
+:class:`EngineBook`: one :class:`EngineRecord` per scheduler (made, and
+``engine_attached`` reported, on first sight) with the requests the plugins were told
+about, so that every arrival is reported once and matched by exactly one departure,
+whichever host path removed the request. What a host's queues and methods mean (which
+requests count as admitted, gone, sparse-served, idle) stays in the subclass.
+
+Threads: the wrappers call in on whatever thread the host runs the method on. The engine
+table (``_records``, ``_engine_ids``) is guarded by ``_lock``, each record's fields below
+its ``lock`` by that lock; hooks are called outside both. Nothing here raises into the
+host: :meth:`EngineBook.safe` logs the adapter's own faults once. Importing this module
+imports no host, MLX or pluggy (the emitter comes in from the instrumentor).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..events import DepartureReason, IdleStep, RequestArrived, RequestDeparted, SparseRouteServed
+
+if TYPE_CHECKING:
+    from ..plugins import HookEmitter
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    """A request the plugins were told about; ``in_scheduler``: the host's scheduler has
+    it (an arrival reported at ``EngineCore``'s door may still wait for the step thread)."""
+
+    in_scheduler: bool = False
+    admitted: bool = False
+    arrived_at: float | None = None
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    """The adapter's view of one host engine. Fields below ``lock`` are guarded by it."""
+
+    engine_id: str
+    port: Any
+    driver: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: dict[str, LiveRequest] = field(default_factory=dict)
+    pending_arrivals: int = 0
+    attached: bool = False
+
+
+class EngineBook:
+    """Engines, the request balance, and the hook calls every host makes alike."""
+
+    #: The host module's logger, and its line for the adapter's own faults (key, error).
+    log: ClassVar[logging.Logger] = logging.getLogger(__name__)
+    fault_format: ClassVar[str] = "mlx-recovery: host adapter error in %s: %r"
+
+    def __init__(
+        self,
+        emitter: HookEmitter,
+        clock: Callable[[], float],
+        accept: Callable[[Any], bool] | None = None,
+    ) -> None:
+        self.emitter = emitter
+        self._clock = clock
+        self._accept = accept
+        self._lock = threading.Lock()
+        self._records: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._engine_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._counter = itertools.count(1)
+        self._reported: set[str] = set()
+        #: Per-thread flags the wrappers set (e.g. inside ``deep_reset``).
+        self.local = threading.local()
+
+    # -- what each host says for itself --------------------------------------------------
+
+    def _new_record(self, scheduler: Any) -> Any:
+        """A record (with the host's port and idle driver) for a scheduler first seen."""
+        raise NotImplementedError
+
+    def _log_attached(self, record: Any) -> None:
+        """Log, once attached, what the engine offers recovery."""
+
+    # -- engines -----------------------------------------------------------------------
+
+    def get(self, scheduler: Any) -> Any:
+        """The record of a scheduler already seen (never makes one)."""
+        return self._records.get(scheduler)
+
+    def records(self) -> list[Any]:
+        with self._lock:
+            return list(self._records.values())
+
+    def name_engine(self, scheduler: Any, engine_id: str) -> None:
+        """Use ``EngineCore``'s id for this scheduler (called before it is first seen)."""
+        with self._lock:
+            self._engine_ids[scheduler] = engine_id
+
+    def engine(self, scheduler: Any) -> Any:
+        """The scheduler's record, made and attached on first sight (and re-attached after
+        a stop); None for a scheduler the adapter was told to leave alone."""
+        record = self._records.get(scheduler)
+        if record is None:
+            if self._accept is not None and not self._accept(scheduler):
+                return None
+            with self._lock:
+                record = self._records.get(scheduler)
+                if record is None:
+                    record = self._new_record(scheduler)
+                    self._records[scheduler] = record
+        if not record.attached:
+            self.attach(record)
+        return record
+
+    def attach(self, record: EngineRecord) -> None:
+        with record.lock:
+            if record.attached:
+                return
+            record.attached = True
+        record.driver.resume()
+        record.driver.wake()
+        self._log_attached(record)
+        self.emitter.engine_attached(record.port)
+
+    def detach(self, record: EngineRecord) -> bool:
+        """Mark the engine gone (no idle steps); True if it was attached."""
+        record.driver.stop()
+        with record.lock:
+            was, record.attached = record.attached, False
+        return was
+
+    def forget_all(self) -> list[Any]:
+        """Drop every record (uninstrument); returns those that were attached."""
+        with self._lock:
+            records = list(self._records.values())
+            self._records = weakref.WeakKeyDictionary()
+        return [r for r in records if self.detach(r)]
+
+    # -- requests ----------------------------------------------------------------------
+
+    def arrive(self, record: EngineRecord, request_id: str, tokens: tuple[int, ...], in_scheduler: bool) -> bool:
+        """Report an arrival once; True if this call reported it."""
+        with record.lock:
+            live = record.live.get(request_id)
+            if live is not None:
+                live.in_scheduler = live.in_scheduler or in_scheduler
+                return False
+            record.live[request_id] = LiveRequest(in_scheduler=in_scheduler, arrived_at=self._clock())
+        record.driver.note_work()
+        self.emitter.request_arrived(
+            RequestArrived(
+                engine_id=record.engine_id,
+                request_id=request_id,
+                model_id=record.port.model_id,
+                prompt_tokens=tokens,
+            ),
+        )
+        return True
+
+    def depart(self, record: EngineRecord, request_id: str, reason: DepartureReason) -> None:
+        """Report a departure of a request that arrived and has not departed yet."""
+        with record.lock:
+            if record.live.pop(request_id, None) is None:
+                return
+        self.emitter.request_departed(
+            RequestDeparted(engine_id=record.engine_id, request_id=request_id, reason=reason),
+        )
+
+    def note_first_tokens(self, record: EngineRecord, scheduler: Any) -> None:
+        """Time the first token of each admitted request (its prefill's end), from the
+        scheduler's ``running`` table."""
+        with record.lock:
+            waiting = [rid for rid, live in record.live.items() if live.admitted and live.first_token_at is None]
+        if not waiting:
+            return
+        now = self._clock()
+        for rid in waiting:
+            request = scheduler.running.get(rid)
+            if request is None or not getattr(request, "output_token_ids", None):
+                continue
+            with record.lock:
+                live = record.live.get(rid)
+                if live is not None and live.first_token_at is None:
+                    live.first_token_at = now
+
+    def sweep(self, record: Any, scheduler: Any, reason: DepartureReason) -> None:
+        """Report departures the host made without a method of its own."""
+        raise NotImplementedError
+
+    # -- steps -------------------------------------------------------------------------
+
+    def after_step(self, record: EngineRecord, scheduler: Any, real_work: bool) -> None:
+        if real_work:
+            record.driver.note_work()
+            self.note_first_tokens(record, scheduler)
+        self.sweep(record, scheduler, DepartureReason.FAILED)
+
+    # -- hook calls the hosts make alike --------------------------------------------------
+    # (arrival and departure are reported by the bookkeeping methods above)
+
+    def request_aborted(self, record: EngineRecord, request_id: str) -> None:
+        self.emitter.request_aborted(record.engine_id, request_id)
+
+    def engine_failed_all(self, record: EngineRecord, error: str) -> None:
+        self.emitter.engine_failed_all(record.engine_id, error)
+
+    def engine_reset(self, record: EngineRecord, *, deep: bool) -> None:
+        self.emitter.engine_reset(record.engine_id, deep)
+
+    def engine_shutdown(self, record: EngineRecord) -> None:
+        self.emitter.engine_shutdown(record.engine_id)
+
+    def model_unloaded(self, record: EngineRecord) -> None:
+        self.emitter.model_unloaded(record.engine_id, record.port.model_id)
+
+    def engine_idle_step(self, event: IdleStep) -> list[bool | float]:
+        return self.emitter.engine_idle_step(event)
+
+    def sparse_route_served(self, event: SparseRouteServed) -> None:
+        self.emitter.sparse_route_served(event)
+
+    def safe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run the adapter's own bookkeeping; a fault there is logged once, never raised
+        into the host, and reads as None."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
+            if key not in self._reported:
+                self._reported.add(key)
+                self.log.error(self.fault_format, key, exc, exc_info=exc)
+            return None
+
+
+def tokens_of_request(request: Any) -> tuple[int, ...]:
+    ids = getattr(request, "prompt_token_ids", None)
+    return tokens_of_prompt(getattr(request, "prompt", None) if ids is None else ids)
+
+
+def tokens_of_prompt(prompt: Any) -> tuple[int, ...]:
+    """Token ids when the prompt already is a list of them; a text prompt is not tokenized
+    here (the arrival hook must stay cheap), so it reports no tokens."""
+    return tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
