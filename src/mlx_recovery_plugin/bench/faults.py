@@ -254,6 +254,18 @@ class FaultRun:
             self.conversation = self.rng.randrange(CONVERSATIONS)
         return random_tokens(1000 + self.conversation, TURN_LENGTHS[self.turn])
 
+    def check_dense(self, prompt: list[int], max_tokens: int, output: Sequence[int], cached_tokens: int) -> None:
+        """A dense request that finished: its greedy tokens must be a fresh host's."""
+        self.dense_checked += 1
+        if cached_tokens > 0:
+            self.dense_restored += 1
+        expected = self.cold(prompt, max_tokens, self.block, self.step)
+        if tuple(output) != expected:
+            self.wrong += 1
+            self.problems.append(
+                f"wrong output: {len(prompt)} tokens, {cached_tokens} cached: {tuple(output)} != {expected}"
+            )
+
     def set_budget(self) -> None:
         self.budget = self.rng.choice((0.0, 5.0, 25.0, 50.0, 100.0))
         self.guard("set_budget", lambda: self.plugin.set_budget(self.budget))
@@ -344,16 +356,7 @@ class Run(FaultRun):
         result = self.guard("result", lambda: self.host.result(rid))
         if result is None or sparse or result.route != "dense" or result.reason != DepartureReason.FINISHED:
             return
-        self.dense_checked += 1
-        if result.cached_tokens > 0:
-            self.dense_restored += 1
-        expected = self.cold(prompt, max_tokens, self.block, self.step)
-        if tuple(result.output_tokens) != expected:
-            self.wrong += 1
-            self.problems.append(
-                f"wrong output: {len(prompt)} tokens, {result.cached_tokens} cached: "
-                f"{tuple(result.output_tokens)} != {expected}"
-            )
+        self.check_dense(prompt, max_tokens, result.output_tokens, result.cached_tokens)
 
     def abort(self) -> None:
         prompt = self.prompt(next_turn=False)

@@ -149,16 +149,7 @@ class OmlxRun(FaultRun):
         result = self.guard("result", lambda: host.result(rid))
         if result is None or sparse or result.error is not None or result.finish_reason not in FINISHED:
             return
-        self.dense_checked += 1
-        if result.cached_tokens > 0:
-            self.dense_restored += 1
-        expected = self.cold(prompt, MAX_TOKENS, self.block, self.step)
-        if tuple(result.output_tokens) != expected:
-            self.wrong += 1
-            self.problems.append(
-                f"wrong output: {len(prompt)} tokens, {result.cached_tokens} cached: "
-                f"{tuple(result.output_tokens)} != {expected}"
-            )
+        self.check_dense(prompt, MAX_TOKENS, result.output_tokens, result.cached_tokens)
 
     def abort(self) -> None:
         host = self.host
