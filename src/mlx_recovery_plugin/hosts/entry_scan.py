@@ -46,27 +46,33 @@ def scan_groups(groups: Iterable[str], path: Iterable[str] | None = None) -> dic
                     text = file.read()
             except OSError:
                 continue
-            for group, entries_of_group in found.items():
-                for name, value in parse_group(text, group).items():
-                    entries_of_group.setdefault(name, value)
+            for group, entries_of_group in parse_groups(text, found).items():
+                for name, value in entries_of_group.items():
+                    found[group].setdefault(name, value)
     return found
 
 
 def parse_group(text: str, group: str) -> dict[str, str]:
     """The ``name = value`` lines of ``[group]`` in an ``entry_points.txt``."""
-    entries: dict[str, str] = {}
-    current = None
+    return parse_groups(text, [group])[group]
+
+
+def parse_groups(text: str, groups: Iterable[str]) -> dict[str, dict[str, str]]:
+    """The ``name = value`` lines of each of ``groups`` in an ``entry_points.txt``, read
+    in one pass (the first of a repeated name wins)."""
+    found: dict[str, dict[str, str]] = {group: {} for group in groups}
+    current: dict[str, str] | None = None
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";")):
             continue
         if line.startswith("[") and line.endswith("]"):
-            current = line[1:-1].strip()
+            current = found.get(line[1:-1].strip())
             continue
-        if current == group and "=" in line:
+        if current is not None and "=" in line:
             name, value = (part.strip() for part in line.split("=", 1))
-            entries.setdefault(name, value)
-    return entries
+            current.setdefault(name, value)
+    return found
 
 
 def _normalized(name: str) -> str:
