@@ -76,19 +76,9 @@ def check_port_free(port: int) -> None:
             raise
 
 
-def omlx_command() -> list[str]:
-    """The ``omlx`` console script of this environment (else the one on PATH)."""
-    return console_script(OMLX)
-
-
 def host_command(host: ServerHost) -> list[str]:
-    """The serve command of ``host``."""
-    return console_script(host)
-
-
-def console_script(host: ServerHost) -> list[str]:
-    """The host's console script (``omlx``, ``fusion-mlx``, ``rapid-mlx``) of this
-    environment (else the one on PATH)."""
+    """The serve command of ``host``: its console script (``omlx``, ``fusion-mlx``,
+    ``rapid-mlx``) of this environment, else the one on PATH."""
     here = Path(sys.executable).parent / host.command
     found = str(here) if here.is_file() else shutil.which(host.command)
     if found is None:
