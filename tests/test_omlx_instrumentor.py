@@ -29,12 +29,12 @@ from mlx_recovery_plugin.hosts import (
     load_host_adapters,
     uninstrument_all_hosts,
 )
+from mlx_recovery_plugin.hosts.instrumenting import parse_version
 from mlx_recovery_plugin.hosts.omlx import OmlxInstrumentor, version_supported
 from mlx_recovery_plugin.hosts.omlx.instrumentor import (
     ENGINE_CORE_METHODS,
     SCHEDULER_METHODS,
     iter_wrapped,
-    parse_version,
 )
 from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.settings import RecoverySettings

@@ -11,12 +11,14 @@ from typing import Any
 
 from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.ports import FetchedPrefix
+from mlx_recovery_plugin.recovery.host_refusal import HOST_RESTORES_NOTHING_AFTER
+from mlx_recovery_plugin.recovery.outcomes import Refusal
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
-from mlx_recovery_plugin.recovery.service import HOST_RESTORES_NOTHING, HOST_RESTORES_NOTHING_AFTER
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.clock import FakeClock
 from mlx_recovery_plugin.testing.host import MockHost
 
+HOST_RESTORES_NOTHING = Refusal.HOST_RESTORES_NOTHING.value
 B = 64
 MODEL = "tiny"
 SETTINGS = RecoverySettings(budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}})

@@ -17,8 +17,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_recovery_plugin.plugins import make_plugin_manager
-from mlx_recovery_plugin.recovery import runnable as reasons
 from mlx_recovery_plugin.recovery.control import request
+from mlx_recovery_plugin.recovery.outcomes import Refusal
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
@@ -297,7 +297,7 @@ def test_arrival_on_another_engine_refuses_the_next_slice_and_retires_the_live_s
     answers = e1.offer_idle_step()
     assert answers and isinstance(answers[0], float) and answers[0] > 0
     assert rig.calls["advance"] == 1 and rig.open_lives == set()
-    assert rig.engine_status("e1")["last_refusal"] in (reasons.OTHER_ENGINE_BUSY, reasons.FOREGROUND_ACTIVE)
+    assert rig.engine_status("e1")["last_refusal"] in (Refusal.OTHER_ENGINE_BUSY, Refusal.FOREGROUND_ACTIVE)
     rig.host.run_until_idle()
     rig.host.drive_idle()
     assert rig.engine_status("e1")["jobs"] == []
@@ -406,7 +406,7 @@ def test_spent_budget_window_asks_to_be_called_back_when_it_refills(make_rig) ->
     rig.host.drive_idle()
     assert rig.calls["advance"] == 2
     status = rig.engine_status()
-    assert status["last_refusal"] == reasons.BUDGET_SPENT
+    assert status["last_refusal"] == Refusal.BUDGET_SPENT
     assert rig.host.last_idle_retry_after == pytest.approx(10.0 - 1.2)
     assert len(rig.open_lives) == 1, "a spent window is not foreground work: the live state stays"
     clock.advance(9.0)
@@ -446,7 +446,7 @@ def test_slices_wait_for_the_models_idle_steps_and_use_its_slice_size(make_rig) 
     for _ in range(3):
         assert engine.offer_idle_step() == [True]
     assert rig.calls["advance"] == 0
-    assert rig.engine_status()["last_refusal"] == reasons.NOT_ENOUGH_IDLE_STEPS
+    assert rig.engine_status()["last_refusal"] == Refusal.NOT_ENOUGH_IDLE_STEPS
     rig.host.drive_idle()
     assert [o.tokens_run for o in rig.outcomes] == [64, 64, 64, 64]
 
@@ -461,7 +461,7 @@ def test_set_budget_turns_recovery_off_and_on_in_place(make_rig) -> None:
     assert snapshot["pct"] == 25
     rig.serve("e", random_tokens(97, 300))
     rig.host.drive_idle()
-    assert rig.engine_status()["last_refusal"] == reasons.BUDGET_SPENT  # from the next window
+    assert rig.engine_status()["last_refusal"] == Refusal.BUDGET_SPENT  # from the next window
     rig.clock.advance(rig.plugin.budget.window_s)
     rig.host.drive_idle()
     assert rig.engine_status()["counters"]["tokens_recovered"] == 256
@@ -556,7 +556,7 @@ def test_a_cancel_that_arrives_during_a_whole_slice_publishes_nothing_of_it(make
             return
         cancels.append(threading.Thread(target=service.cancel, args=("test",)))
         cancels[0].start()
-        while not service._stop.is_set():  # the cancel has been asked for
+        while not service._cancel.stop_requested():  # the cancel has been asked for
             time.sleep(0.001)
 
     rig.before_advance = cancel_mid_slice

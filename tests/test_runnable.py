@@ -10,19 +10,9 @@ import pytest
 
 from mlx_recovery_plugin.recovery import runnable as gate_module
 from mlx_recovery_plugin.recovery.budget import Budget
+from mlx_recovery_plugin.recovery.outcomes import Refusal
 from mlx_recovery_plugin.recovery.registry import ArrivalRegistry
 from mlx_recovery_plugin.recovery.runnable import (
-    BUDGET_OFF,
-    BUDGET_SPENT,
-    CLAIM_TAKEN,
-    FOREGROUND_ACTIVE,
-    HOST_ERROR,
-    MEMORY_PRESSURE,
-    MODEL_NOT_OPTED_IN,
-    NOT_ENOUGH_IDLE_STEPS,
-    OTHER_ENGINE_BUSY,
-    QUEUES_BUSY,
-    SPARSE_ROUTE_LIVE,
     GateDecision,
     RunnableGate,
     memory_probe,
@@ -93,19 +83,19 @@ def test_an_idle_opted_in_process_with_budget_is_runnable(world: World) -> None:
 Breaker = Callable[[World], None]
 
 SINGLE_CONDITIONS: list[tuple[str, Breaker]] = [
-    (MODEL_NOT_OPTED_IN, lambda w: w.opted_in.discard("m-a")),
-    (QUEUES_BUSY, lambda w: setattr(w.engines["e1"], "waiting", True)),
-    (SPARSE_ROUTE_LIVE, lambda w: setattr(w.engines["e1"], "sparse", True)),
-    (OTHER_ENGINE_BUSY, lambda w: setattr(w.engines["e2"], "busy", True)),
-    (OTHER_ENGINE_BUSY, lambda w: setattr(w.engines["e2"], "waiting", True)),
-    (FOREGROUND_ACTIVE, lambda w: w.registry.arrived("e2", "req-1")),
-    (FOREGROUND_ACTIVE, lambda w: w.registry.arrived("e1", "req-1")),
-    (BUDGET_SPENT, lambda w: w.budget.charge(2.0)),
-    (BUDGET_OFF, lambda w: w.budget.set_pct(0.0)),
-    (CLAIM_TAKEN, lambda w: w.budget.try_claim("e2")),
-    (MEMORY_PRESSURE, lambda w: setattr(w, "memory_fine", False)),
-    (HOST_ERROR, lambda w: setattr(w.engines["e1"], "broken", True)),
-    (OTHER_ENGINE_BUSY, lambda w: setattr(w.engines["e2"], "broken", True)),
+    (Refusal.MODEL_NOT_OPTED_IN, lambda w: w.opted_in.discard("m-a")),
+    (Refusal.QUEUES_BUSY, lambda w: setattr(w.engines["e1"], "waiting", True)),
+    (Refusal.SPARSE_ROUTE_LIVE, lambda w: setattr(w.engines["e1"], "sparse", True)),
+    (Refusal.OTHER_ENGINE_BUSY, lambda w: setattr(w.engines["e2"], "busy", True)),
+    (Refusal.OTHER_ENGINE_BUSY, lambda w: setattr(w.engines["e2"], "waiting", True)),
+    (Refusal.FOREGROUND_ACTIVE, lambda w: w.registry.arrived("e2", "req-1")),
+    (Refusal.FOREGROUND_ACTIVE, lambda w: w.registry.arrived("e1", "req-1")),
+    (Refusal.BUDGET_SPENT, lambda w: w.budget.charge(2.0)),
+    (Refusal.BUDGET_OFF, lambda w: w.budget.set_pct(0.0)),
+    (Refusal.CLAIM_TAKEN, lambda w: w.budget.try_claim("e2")),
+    (Refusal.MEMORY_PRESSURE, lambda w: setattr(w, "memory_fine", False)),
+    (Refusal.HOST_ERROR, lambda w: setattr(w.engines["e1"], "broken", True)),
+    (Refusal.OTHER_ENGINE_BUSY, lambda w: setattr(w.engines["e2"], "broken", True)),
 ]
 
 
@@ -126,7 +116,7 @@ def test_each_condition_alone_blocks_with_its_reason(
 def test_too_few_idle_steps_blocks_until_the_engine_has_idled_enough(world: World) -> None:
     gate = world.gate()
     engine = world.engines["e1"]
-    assert gate.check(engine, consecutive_idle=2) == GateDecision(False, NOT_ENOUGH_IDLE_STEPS)
+    assert gate.check(engine, consecutive_idle=2) == GateDecision(False, Refusal.NOT_ENOUGH_IDLE_STEPS)
     assert gate.check(engine, consecutive_idle=3).runnable
 
 
@@ -135,7 +125,7 @@ def test_the_gate_reopens_once_the_foreground_request_departs(world: World) -> N
     engine = world.engines["e1"]
     world.registry.arrived("e2", "r")
     world.registry.admitted("e2", "r")
-    assert gate.check(engine, 3).reason == FOREGROUND_ACTIVE
+    assert gate.check(engine, 3).reason == Refusal.FOREGROUND_ACTIVE
     world.registry.departed("e2", "r")
     assert gate.check(engine, 3).runnable
 
@@ -148,7 +138,7 @@ def test_the_engines_own_claim_does_not_block_it(world: World) -> None:
 def test_a_spent_budget_reopens_in_the_next_window(world: World) -> None:
     gate = world.gate()
     world.budget.charge(2.0)
-    assert gate.check(world.engines["e1"], 3).reason == BUDGET_SPENT
+    assert gate.check(world.engines["e1"], 3).reason == Refusal.BUDGET_SPENT
     world.clock.now += 10.0
     assert gate.check(world.engines["e1"], 3).runnable
 

@@ -5,9 +5,12 @@ with the wrappers of a factory table ``{(class name, method name): factory}``, e
 factory called as ``factory(lifecycle, current method, originals by "Class.method")``.
 :class:`MethodPatches` does that loop and keeps the originals table, so ``restore()``
 puts back the very objects that were in each class's ``__dict__`` (deleting what was
-only inherited). :class:`HostInstrumentor` is what both adapter classes do alike once
-attached (uninstrument, the per-engine look-ups, waking idle offers); the version
-parsing both adapters gate on is here too.
+only inherited). :class:`HostInstrumentor` holds what every adapter does alike:
+``instrument()`` once (idempotence, the version gate, the check that the host has every
+method the adapter needs, the emitter and the attach line), ``uninstrument()``, the
+per-engine look-ups and waking idle offers; an adapter writes only the parts that are
+its host's (its classes, factory table, version and lifecycle). The version parsing and
+ranges the adapters gate on are here too.
 
 Importing this module imports neither a host, MLX, asyncio nor pluggy (the entry-point
 packages import it). Threads: ``wrap`` / ``restore`` run under the instrumentor's
@@ -21,7 +24,13 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from ..plugins import HookEmitter
 
 #: Marks a method as an instrumentor's wrapper (diagnostics and tests read it).
 WRAPPER_MARK = "__mlx_recovery_wrapper__"
@@ -46,6 +55,28 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+@dataclass(slots=True, frozen=True)
+class VersionRange:
+    """Versions ``>= low`` and ``< high``."""
+
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+
+    def __contains__(self, version: tuple[int, ...]) -> bool:
+        return self.low <= version < self.high
+
+    def __str__(self) -> str:
+        return f">={'.'.join(map(str, self.low))},<{'.'.join(map(str, self.high))}"
+
+    def admits(self, text: str) -> bool:
+        """``text`` parses to a version in the range."""
+        parsed = parse_version(text)
+        return bool(parsed) and parsed in self
+
+
+Factories = Mapping[tuple[str, str], Callable[[Any, Any, Mapping[str, Any]], Any]]
+
+
 class MethodPatches:
     """The methods one instrumentation replaced, with what each class held before."""
 
@@ -63,7 +94,7 @@ class MethodPatches:
     def wrap(
         self,
         classes: Mapping[str, type],
-        factories: Mapping[tuple[str, str], Callable[[Any, Any, Mapping[str, Any]], Any]],
+        factories: Factories,
         life: Any,
     ) -> None:
         """Replace each ``classes[cls_name].name`` with its factory's wrapper, in table
@@ -99,9 +130,8 @@ class MethodPatches:
 
 
 class HostInstrumentor:
-    """What both host adapters do alike around their own ``instrument()``: the originals
-    table, the lifecycle it feeds (``_life``, set by ``instrument()``), uninstrument and
-    the per-engine look-ups. A subclass sets ``log`` to its module's logger."""
+    """The adapter template (see the module docstring). A subclass sets ``log`` to its
+    module's logger and writes the ``_host_*`` / ``_new_lifecycle`` parts below."""
 
     log: ClassVar[logging.Logger] = logging.getLogger(__name__)
 
@@ -111,9 +141,71 @@ class HostInstrumentor:
         self._life: Any = None
         self.version: str | None = None
 
+    # -- what each host says for itself ------------------------------------------------
+
     def _host_label(self) -> str:
         """The host's name in log lines."""
         raise NotImplementedError
+
+    def _host_version(self) -> str:
+        """The installed host's version (its package metadata or ``__version__``)."""
+        raise NotImplementedError
+
+    def _host_versions(self) -> VersionRange:
+        """The host versions this adapter was written against."""
+        raise NotImplementedError
+
+    def _host_classes(self) -> dict[str, type]:
+        """The host's classes by the names the factory table uses (imports the host)."""
+        raise NotImplementedError
+
+    def _host_factories(self) -> Factories:
+        """``{(class name, method name): wrapper factory}``, in wrapping order."""
+        raise NotImplementedError
+
+    def _host_missing(self, classes: Mapping[str, type]) -> list[str]:
+        """What the adapter needs beyond the wrapped methods and this host lacks."""
+        return []
+
+    def _new_lifecycle(self, emitter: HookEmitter) -> Any:
+        """The lifecycle the wrappers feed, calling plugins through ``emitter``."""
+        raise NotImplementedError
+
+    # -- the template ----------------------------------------------------------------
+
+    def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
+        """Wrap the host's methods; True when attached (now or before). Hooks go to
+        ``pm``, by default the process plugin manager. Idempotent; a host version outside
+        :meth:`_host_versions`, or one lacking what the adapter needs, is left alone."""
+        with self._lock:
+            if self._patches:
+                return True
+            label, version = self._host_label(), self._host_version()
+            if not self._host_versions().admits(version):
+                self.log.warning(
+                    "mlx-recovery: %s %s is not supported (this adapter knows %s); "
+                    "not attaching", label, version, self._host_versions(),
+                )
+                return False
+            classes = self._host_classes()
+            factories = self._host_factories()
+            missing = [f"{c}.{n}" for c, n in factories if not hasattr(classes[c], n)]
+            missing += self._host_missing(classes)
+            if missing:
+                self.log.warning("mlx-recovery: %s %s lacks %s; not attaching", label, version, ", ".join(missing))
+                return False
+            from ..plugins import HookEmitter, get_plugin_manager
+
+            emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
+            self._life = self._new_lifecycle(emitter)
+            self.version = version
+            self._patches.wrap(classes, factories, self._life)
+            plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
+            self.log.info(
+                "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed); "
+                "plugins: %s", label, version, len(self._patches), ", ".join(plugins) or "none",
+            )
+            return True
 
     @property
     def is_instrumented(self) -> bool:
@@ -127,7 +219,7 @@ class HostInstrumentor:
             life, self._life = self._life, None
         if life is not None:
             for record in life.forget_all():
-                life.engine_shutdown(record)
+                life.emitter.engine_shutdown(record.engine_id)
         self.log.info("mlx-recovery: detached from %s; original methods restored", self._host_label())
 
     # -- engines ---------------------------------------------------------------------
@@ -167,3 +259,8 @@ def iter_wrapped(classes: Iterable[type]) -> list[str]:
         for name, value in vars(cls).items()
         if getattr(value, WRAPPER_MARK, False)
     ]
+
+
+def _plugin_label(name: str, plugin: object) -> str:
+    # pluggy names an unnamed plugin by its id(); the class name says more.
+    return type(plugin).__name__ if name == str(id(plugin)) else name

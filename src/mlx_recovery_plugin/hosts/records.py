@@ -4,7 +4,9 @@ A host's lifecycle (:mod:`.omlx.lifecycle`, :mod:`.rapid.lifecycle`) subclasses
 :class:`EngineBook`: one :class:`EngineRecord` per scheduler (made, and
 ``engine_attached`` reported, on first sight) with the requests the plugins were told
 about, so that every arrival is reported once and matched by exactly one departure,
-whichever host path removed the request. What a host's queues and methods mean (which
+whichever host path removed the request. Hooks are called through the
+:class:`~..plugins.HookEmitter` (``book.emitter``) where each event happens: here for
+attach, arrival and departure, in the wrappers for the rest. What a host's queues and methods mean (which
 requests count as admitted, gone, sparse-served, idle) stays in the subclass.
 
 Threads: the wrappers call in on whatever thread the host runs the method on. The engine
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..events import DepartureReason, IdleStep, RequestArrived, RequestDeparted, SparseRouteServed
+from ..events import DepartureReason, RequestArrived, RequestDeparted
 
 if TYPE_CHECKING:
     from ..plugins import HookEmitter
@@ -200,30 +202,6 @@ class EngineBook:
             record.driver.note_work()
             self.note_first_tokens(record, scheduler)
         self.sweep(record, scheduler, DepartureReason.FAILED)
-
-    # -- hook calls the hosts make alike --------------------------------------------------
-    # (arrival and departure are reported by the bookkeeping methods above)
-
-    def request_aborted(self, record: EngineRecord, request_id: str) -> None:
-        self.emitter.request_aborted(record.engine_id, request_id)
-
-    def engine_failed_all(self, record: EngineRecord, error: str) -> None:
-        self.emitter.engine_failed_all(record.engine_id, error)
-
-    def engine_reset(self, record: EngineRecord, *, deep: bool) -> None:
-        self.emitter.engine_reset(record.engine_id, deep)
-
-    def engine_shutdown(self, record: EngineRecord) -> None:
-        self.emitter.engine_shutdown(record.engine_id)
-
-    def model_unloaded(self, record: EngineRecord) -> None:
-        self.emitter.model_unloaded(record.engine_id, record.port.model_id)
-
-    def engine_idle_step(self, event: IdleStep) -> list[bool | float]:
-        return self.emitter.engine_idle_step(event)
-
-    def sparse_route_served(self, event: SparseRouteServed) -> None:
-        self.emitter.sparse_route_served(event)
 
     def safe(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the adapter's own bookkeeping; a fault there is logged once, never raised

@@ -57,7 +57,7 @@ def scheduler_cleanup_finished(life: Any, original: Fn, originals: Mapping[str, 
         result = original(scheduler, finished_ids, *args, **kwargs)
         if record is not None:
             for event in served:
-                life.sparse_route_served(event)
+                life.emitter.sparse_route_served(event)
             for rid in ids:
                 life.safe(life.depart, record, rid, DepartureReason.FINISHED)
         return result
@@ -74,8 +74,8 @@ def scheduler_do_abort_request(life: Any, original: Fn, originals: Mapping[str, 
         aborted = original(scheduler, request_id, *args, **kwargs)
         if record is not None and aborted:
             if served is not None:
-                life.sparse_route_served(served)
-            life.request_aborted(record, request_id)
+                life.emitter.sparse_route_served(served)
+            life.emitter.request_aborted(record.engine_id, request_id)
             life.safe(life.depart, record, request_id, DepartureReason.ABORTED)
         return aborted
 
@@ -92,7 +92,7 @@ def resetting(deep: bool) -> Factory:
         def reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
             record = life.get(scheduler)
             if record is not None and not getattr(life.local, "deep_reset", False):
-                life.engine_reset(record, deep=deep)
+                life.emitter.engine_reset(record.engine_id, deep)
             result = original(scheduler, *args, **kwargs)
             if record is not None:
                 life.safe(life.sweep, record, scheduler, DepartureReason.ABORTED)
@@ -154,7 +154,7 @@ def engine_stop(life: Any, original: Fn, originals: Mapping[str, Fn]) -> Fn:
         scheduler = getattr(engine, "scheduler", None)
         record = life.get(scheduler) if scheduler is not None else None
         if record is not None and life.safe(life.detach, record):
-            life.engine_shutdown(record)
+            life.emitter.engine_shutdown(record.engine_id)
         return await original(engine, *args, **kwargs)
 
     return stop
@@ -170,8 +170,8 @@ def engine_close(life: Any, original: Fn, originals: Mapping[str, Fn]) -> Fn:
         if record is not None and not getattr(engine, "_closed", False):
             # The host stops an engine before closing it; a bare close() reports both too.
             if life.safe(life.detach, record):
-                life.engine_shutdown(record)
-            life.model_unloaded(record)
+                life.emitter.engine_shutdown(record.engine_id)
+            life.emitter.model_unloaded(record.engine_id, record.port.model_id)
         return original(engine, *args, **kwargs)
 
     return close

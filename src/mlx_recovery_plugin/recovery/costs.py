@@ -54,10 +54,6 @@ class Decision:
     dense_s: float | None = None
     sparse_s: float | None = None
 
-    @property
-    def publish(self) -> bool:
-        return self.verdict is Verdict.PUBLISH
-
 
 @dataclass(slots=True, frozen=True)
 class SparseSample:

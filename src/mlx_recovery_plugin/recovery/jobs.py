@@ -34,7 +34,6 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from ..state import floor_block
-from .costs import SparseSample
 
 if TYPE_CHECKING:
     from ..state import BlockState
@@ -82,11 +81,12 @@ class RecoveryJob:
     restored. ``target_end`` is the end of the served range; only its whole blocks can be
     published (:meth:`publish_end`). ``held`` are finished blocks right after
     ``committed`` that the publish policy keeps back until a longer prefix pays.
+    ``stood_down`` is the reason recovery stopped working on the job because no prefix of
+    it would pay. What the host said of the conversation's sparse route is the publish
+    policy's memory, not the job's (:class:`~.judge.PublishJudge`).
 
-    What the host said of its sparse route for this conversation: ``threshold`` and
-    ``keep`` (None: unknown), ``sparse`` (its last measured sparse prefill), ``last_append``
-    (how much the conversation grew at its last turn). ``stood_down`` is the reason
-    recovery stopped working on the job because no prefix of it would pay.
+    The fields change only through the methods below, called by the job's book or by its
+    engine's recovery service under the service's lock.
     """
 
     job_id: int
@@ -98,11 +98,9 @@ class RecoveryJob:
     parked_until: float | None = None
     tokens_recovered: int = 0
     held: list[BlockState] = field(default_factory=list, repr=False)
-    threshold: int | None = None
-    keep: float | None = None
-    sparse: SparseSample | None = None
-    last_append: int | None = None
     stood_down: str | None = None
+
+    # -- queries ---------------------------------------------------------------------
 
     def publish_end(self, block_size: int) -> int:
         """The last block boundary recovery can reach for this job."""
@@ -122,12 +120,6 @@ class RecoveryJob:
             and self.frontier(block_size) < self.publish_end(block_size)
         )
 
-    def drop_held_below(self, boundary: int, block_size: int) -> None:
-        """Forget held blocks the host now restores by itself (below ``boundary``)."""
-        self.held = [b for b in self.held if b.index * block_size >= boundary]
-        if self.held and self.held[0].index * block_size != boundary:
-            self.held = []  # no longer contiguous with the committed prefix
-
     @property
     def debt(self) -> int:
         """Served tokens that are not yet restorable from the host's cache."""
@@ -136,6 +128,75 @@ class RecoveryJob:
     def parked(self, now: float) -> bool:
         return self.parked_until is not None and now < self.parked_until
 
+    def pending_with(self, blocks: Sequence[BlockState], block_size: int) -> list[BlockState]:
+        """The held blocks and ``blocks`` that the host does not restore by itself yet
+        (it may have stored some of them meanwhile): what a publication would store."""
+        return [b for b in (*self.held, *blocks) if b.index * block_size >= self.committed]
+
+    # -- updates ---------------------------------------------------------------------
+
+    def extend(self, tokens: tuple[int, ...], served_end: int, canonical: int, block_size: int, seq: int) -> None:
+        """The conversation's next turn was served: grow, keep the committed boundary (or
+        the host's own, if longer), and judge it again with the new turn's measurements."""
+        self.tokens = tokens
+        self.target_end = max(self.target_end, served_end)
+        self.committed = max(self.committed, canonical)
+        self.drop_held_below(self.committed, block_size)
+        self.stood_down = None
+        self.served_seq = seq
+
+    def asked_again(self, served_end: int, seq: int) -> None:
+        """An earlier turn of the conversation was served again."""
+        self.target_end = max(self.target_end, served_end)
+        self.served_seq = seq
+
+    def restore_to(self, restorable: int, block_size: int) -> int:
+        """The host restores ``restorable`` tokens of the job now: that is the committed
+        boundary. Returns the committed tokens the host lost (evicted) since."""
+        lost = max(0, self.committed - restorable)
+        if lost:
+            self.held = []  # held blocks sit on a prefix the host lost
+        self.committed = restorable
+        self.drop_held_below(restorable, block_size)
+        return lost
+
+    def commit(self, boundary: int) -> int:
+        """A publication read back up to ``boundary``; returns the tokens it gained."""
+        gained = boundary - self.committed
+        self.committed = boundary
+        self.tokens_recovered += gained
+        return gained
+
+    def hold(self, blocks: list[BlockState]) -> None:
+        """Keep finished blocks back until a longer prefix pays."""
+        self.held = blocks
+
+    def release_held(self) -> None:
+        """The held blocks go out with a publication."""
+        self.held = []
+
+    def stand_down(self, reason: str) -> bool:
+        """Stop working on the job: no prefix of it would pay. True the first time."""
+        first = self.stood_down is None
+        self.stood_down = reason
+        self.held = []
+        return first
+
+    def park(self, now: float, *, base_s: float, max_s: float) -> None:
+        """Back off after a fault, doubling the wait per fault in a row."""
+        self.attempts += 1
+        self.parked_until = now + min(max_s, base_s * 2 ** (self.attempts - 1))
+
+    def progressed(self) -> None:
+        """A slice ran whole: the faults in a row are over."""
+        self.attempts, self.parked_until = 0, None
+
+    def drop_held_below(self, boundary: int, block_size: int) -> None:
+        """Forget held blocks the host now restores by itself (below ``boundary``)."""
+        self.held = [b for b in self.held if b.index * block_size >= boundary]
+        if self.held and self.held[0].index * block_size != boundary:
+            self.held = []  # no longer contiguous with the committed prefix
+
 
 @dataclass(slots=True)
 class Offer:
@@ -143,12 +204,14 @@ class Offer:
 
     ``relation`` is how the served prompt related to ``job`` (the job it now lives in, or
     None when nothing was queued); ``dropped`` lists the jobs that left the book (the one
-    a fork replaced, or least recently served ones over the bound).
+    a fork replaced, or least recently served ones over the bound); ``appended`` is how
+    many tokens the conversation grew by when the prompt extended its job.
     """
 
     relation: Relation | None
     job: RecoveryJob | None
     dropped: list[RecoveryJob] = field(default_factory=list)
+    appended: int | None = None
 
 
 class JobBook:
@@ -174,9 +237,6 @@ class JobBook:
         """Jobs in working order: most recently served first."""
         return iter(sorted(self._jobs.values(), key=lambda j: j.served_seq, reverse=True))
 
-    def get(self, job_id: int) -> RecoveryJob | None:
-        return self._jobs.get(job_id)
-
     def next_runnable(self, now: float) -> RecoveryJob | None:
         """The job to work on now: the most recently served one that is not parked."""
         for job in self:
@@ -188,10 +248,6 @@ class JobBook:
         """How long until the earliest parked job may run again; None if none is parked."""
         waits = [j.parked_until - now for j in self._jobs.values() if j.parked(now)]  # type: ignore[operator]
         return max(0.0, min(waits)) if waits else None
-
-    @property
-    def debt(self) -> int:
-        return sum(job.debt for job in self._jobs.values())
 
     # -- updates ---------------------------------------------------------------------
 
@@ -210,18 +266,11 @@ class JobBook:
         for job in jobs:
             relation = relate(job.tokens, tokens, self.block_size)
             if relation is Relation.EXTENDS:
-                if len(tokens) > len(job.tokens):
-                    job.last_append = len(tokens) - len(job.tokens)
-                job.tokens = tokens
-                job.target_end = max(job.target_end, served_end)
-                job.committed = max(job.committed, canonical)
-                job.drop_held_below(job.committed, self.block_size)
-                job.stood_down = None  # a new turn, new measurements: judge again
-                job.served_seq = next(self._seq)
-                return Offer(relation, job, self._drop_redundant(keep=job))
+                appended = len(tokens) - len(job.tokens) if len(tokens) > len(job.tokens) else None
+                job.extend(tokens, served_end, canonical, self.block_size, next(self._seq))
+                return Offer(relation, job, self._drop_redundant(keep=job), appended)
             if relation is Relation.CONTAINED:
-                job.target_end = max(job.target_end, served_end)
-                job.served_seq = next(self._seq)
+                job.asked_again(served_end, next(self._seq))
                 return Offer(relation, job)
 
         if floor_block(served_end, self.block_size) <= canonical:
@@ -263,11 +312,10 @@ class JobBook:
     ) -> bool:
         """Back ``job`` off after a fault, doubling the wait each time. Returns False, and
         drops the job, once it has failed ``max_attempts`` times in a row."""
-        job.attempts += 1
+        job.park(now, base_s=base_s, max_s=max_s)
         if job.attempts >= max_attempts:
             self._jobs.pop(job.job_id, None)
             return False
-        job.parked_until = now + min(max_s, base_s * 2 ** (job.attempts - 1))
         return True
 
     # -- private ---------------------------------------------------------------------

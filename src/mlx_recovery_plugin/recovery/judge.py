@@ -1,16 +1,21 @@
-"""One engine's publish policy: what it has learned of the dense cost, and its verdicts.
+"""One engine's publish policy: what it has learned, what it remembers of each
+conversation, and its verdicts.
 
 The arithmetic is :mod:`.costs`; this is the state around it for one engine: the dense
-cost model fitted to that engine's slices, the policy setting, and the last decision, which
-the status shows. It judges a job with what the host said of the job's conversation
-(threshold, keep share, measured sparse prefill, last growth; see :func:`note_route`).
+cost model fitted to that engine's slices, the policy setting, what the host said of each
+conversation's sparse route (threshold, keep share, measured sparse prefill, last growth;
+see :meth:`PublishJudge.note_route`), and the last decision, which the status shows.
 
-Threads: the engine thread observes and judges; :meth:`PublishJudge.status` may be called
-from any thread under the service's lock, and reads only values replaced whole.
+Threads: the engine thread observes, notes and judges; :meth:`PublishJudge.status` may be
+called from any thread and returns a value that the engine thread builds whole after each
+change and replaces in one assignment, so a reader never iterates live state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from ..events import SparseRouteServed
@@ -22,6 +27,18 @@ from .jobs import RecoveryJob
 DEFAULT_KEEP = 0.2
 
 
+@dataclass(slots=True)
+class RouteMemory:
+    """What the host said of one conversation's sparse route: ``threshold`` and ``keep``
+    (None: unknown), ``sparse`` (its last measured sparse prefill), ``last_append`` (how
+    much the conversation grew at its last turn)."""
+
+    threshold: int | None = None
+    keep: float | None = None
+    sparse: SparseSample | None = None
+    last_append: int | None = None
+
+
 class PublishJudge:
     """Publish, hold or stand down, for one engine's jobs."""
 
@@ -30,26 +47,50 @@ class PublishJudge:
         self.block_size = block_size
         self.costs = DenseCostModel()
         self.last: Decision | None = None
+        self._routes: dict[int, RouteMemory] = {}
+        self._status: MappingProxyType[str, Any] = self._build_status()
+
+    def note_route(self, job: RecoveryJob, event: SparseRouteServed, appended: int | None) -> None:
+        """Remember what the host said of its sparse route for ``job``'s conversation
+        (``appended``: how much the conversation grew with this turn, if it did)."""
+        route = self._routes.setdefault(job.job_id, RouteMemory())
+        if event.threshold is not None:
+            route.threshold = int(event.threshold)
+        if event.keep is not None:
+            route.keep = float(event.keep)
+        if event.prefill_s is not None and event.prefill_s > 0:
+            route.sparse = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
+        if appended is not None:
+            route.last_append = appended
+
+    def keep_only(self, job_ids: Iterable[int]) -> None:
+        """Forget the conversations whose jobs have left the book."""
+        live = set(job_ids)
+        for job_id in [j for j in self._routes if j not in live]:
+            del self._routes[job_id]
 
     def observe(self, context: int, tokens: int, seconds: float) -> None:
         """A whole slice of ``tokens`` on top of ``context`` took ``seconds``."""
         self.costs.observe(context, tokens, seconds)
+        self._status = self._build_status()
 
     def judge(self, job: RecoveryJob, boundary: int) -> Decision:
         """What to do with ``job``'s finished blocks up to ``boundary``."""
         if self.policy is PublishPolicy.ALWAYS:
             decision = Decision(Verdict.PUBLISH, "policy: always")
         else:
+            route = self._routes.get(job.job_id) or RouteMemory()
             decision = decide(
                 self.costs,
                 boundary=boundary,
                 full_boundary=job.publish_end(self.block_size),
-                next_tokens=len(job.tokens) + (job.last_append or DEFAULT_APPEND_TOKENS),
-                threshold=job.threshold,
-                keep=job.keep if job.keep is not None else DEFAULT_KEEP,
-                measured=job.sparse,
+                next_tokens=len(job.tokens) + (route.last_append or DEFAULT_APPEND_TOKENS),
+                threshold=route.threshold,
+                keep=route.keep if route.keep is not None else DEFAULT_KEEP,
+                measured=route.sparse,
             )
         self.last = decision
+        self._status = self._build_status()
         return decision
 
     def stand_down_reason(self, job: RecoveryJob) -> str | None:
@@ -60,26 +101,22 @@ class PublishJudge:
         decision = self.judge(job, job.publish_end(self.block_size))
         return decision.reason if decision.verdict is Verdict.STAND_DOWN else None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> MappingProxyType[str, Any]:
+        """The policy's status as of its last change (any thread)."""
+        return self._status
+
+    def _build_status(self) -> MappingProxyType[str, Any]:
         coefficients = self.costs.coefficients()
         decision = self.last
-        return {
-            "mode": self.policy.value,
-            "dense_cost_samples": self.costs.samples,
-            "dense_s_per_token": coefficients[0] if coefficients else None,
-            "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
-            "verdict": decision.verdict.value if decision else None,
-            "reason": decision.reason if decision else None,
-            "dense_append_s": decision.dense_s if decision else None,
-            "sparse_rerun_s": decision.sparse_s if decision else None,
-        }
-
-
-def note_route(job: RecoveryJob, event: SparseRouteServed) -> None:
-    """Keep what the host said of its sparse route on the job it served."""
-    if event.threshold is not None:
-        job.threshold = int(event.threshold)
-    if event.keep is not None:
-        job.keep = float(event.keep)
-    if event.prefill_s is not None and event.prefill_s > 0:
-        job.sparse = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
+        return MappingProxyType(
+            {
+                "mode": self.policy.value,
+                "dense_cost_samples": self.costs.samples,
+                "dense_s_per_token": coefficients[0] if coefficients else None,
+                "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
+                "verdict": decision.verdict.value if decision else None,
+                "reason": decision.reason if decision else None,
+                "dense_append_s": decision.dense_s if decision else None,
+                "sparse_rerun_s": decision.sparse_s if decision else None,
+            }
+        )

@@ -4,8 +4,8 @@ Registered through the entry point ``recovery``. With recovery off (budget 0, or
 model not opted in) the only work it does is the arrival registry's bookkeeping on
 arrival, admission and departure; no job is ever queued and no slice ever runs.
 
-Threads: arrival hooks come from any thread and touch only the registry (and an arrival
-counter that running slices watch); engine hooks run on their engine's thread and go to
+Threads: arrival hooks come from any thread and touch only the registry (whose arrival
+count running slices watch); engine hooks run on their engine's thread and go to
 that engine's :class:`~.service.EngineRecovery`; shutdown and unload may come from a
 control thread and cancel through the service's thread-safe path. ``_engines`` and
 ``_control`` are guarded by ``_lock``.
@@ -13,7 +13,6 @@ control thread and cancel through the service's thread-safe path. ``_engines`` a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -26,15 +25,13 @@ from ..ports import EnginePort
 from ..settings import RecoverySettings, load_settings
 from .budget import Budget
 from .control import CONTROL_SOCKET_OFF, ControlError, ControlServer, resolve_socket_path
+from .live import RunnerFactory, default_runner_factory
 from .registry import ArrivalRegistry
 from .runnable import RunnableGate, memory_probe
-from .service import EngineRecovery, RunnerFactory, default_runner_factory
+from .service import EngineRecovery
 from .status import ProcessStatus, export_counters
 
 log = logging.getLogger(__name__)
-
-# Values of MLX_RECOVERY_CONTROL_SOCKET that turn the control channel off.
-
 
 class RecoveryPlugin:
     """Canonical state recovery as pluggy hook implementations.
@@ -65,8 +62,6 @@ class RecoveryPlugin:
         self._control: ControlServer | None = None
         self._control_path = self._control_path_from(control_socket)
         self._control_failed = False
-        self._arrival_ids = itertools.count(1)
-        self._arrivals = 0
         self.gate = RunnableGate(
             self.registry,
             self.budget,
@@ -75,7 +70,6 @@ class RecoveryPlugin:
             idle_steps_for=self.settings.idle_steps_for,
             memory_ok=memory_ok if memory_ok is not None else memory_probe(),
         )
-        self.registry.add_arrival_listener(self._on_arrival)
 
     # -- switches ----------------------------------------------------------------------
 
@@ -101,7 +95,7 @@ class RecoveryPlugin:
                 settings=self.settings,
                 budget=self.budget,
                 gate=self.gate,
-                arrivals=self._arrival_count,
+                arrivals=self.registry.arrivals,
                 clock=self.clock,
                 runner_factory=self._runner_factory,
             )
@@ -210,7 +204,6 @@ class RecoveryPlugin:
             self._engines.clear()
         for service in services:
             service.cancel("plugin closed", forget=True)
-        self.registry.remove_arrival_listener(self._on_arrival)
         self._stop_control()
 
     # -- private -----------------------------------------------------------------------
@@ -218,12 +211,6 @@ class RecoveryPlugin:
     def _ports(self) -> Iterable[EnginePort]:
         with self._lock:
             return [s.port for s in self._engines.values() if not s.closed]
-
-    def _on_arrival(self, engine_id: str, request_id: str) -> None:
-        self._arrivals = next(self._arrival_ids)
-
-    def _arrival_count(self) -> int:
-        return self._arrivals
 
     def _cancel(self, engine_id: str, reason: str) -> None:
         service = self._engines.get(engine_id)

@@ -22,43 +22,44 @@ from dataclasses import dataclass
 
 from ..ports import FetchedPrefix, PrefixCachePort, StoreUnit, store_unit
 from ..state import RECOVERY_ORIGIN, BlockState
+from .outcomes import FaultKind
 
 
 class PublicationError(RuntimeError):
     """Publication failed; ``kind`` names the fault for the status counters."""
 
-    kind = "publication_error"
+    kind: FaultKind = FaultKind.PUBLICATION_ERROR
 
 
 class StoreError(PublicationError):
     """The host's store raised."""
 
-    kind = "store_error"
+    kind = FaultKind.STORE_ERROR
 
 
 class StoreRefused(PublicationError):
     """The store returned normally but holds less than was published (for example the
     job's earlier blocks were evicted, so the new ones would leave a gap)."""
 
-    kind = "store_refused"
+    kind = FaultKind.STORE_REFUSED
 
 
 class BaseFetchError(PublicationError):
     """The fetch of the stored prefix a whole entry is built on raised."""
 
-    kind = "fetch_error"
+    kind = FaultKind.FETCH_ERROR
 
 
 class ProbeFetchError(PublicationError):
     """The read-back fetch raised."""
 
-    kind = "fetch_error"
+    kind = FaultKind.FETCH_ERROR
 
 
 class ProbeMismatch(PublicationError):
     """The read-back fetch restored less than was published (``restored`` tokens)."""
 
-    kind = "probe_mismatch"
+    kind = FaultKind.PROBE_MISMATCH
 
     def __init__(self, message: str, restored: int) -> None:
         super().__init__(message)

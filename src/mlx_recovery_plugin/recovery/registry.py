@@ -7,7 +7,7 @@ operations under one lock.
 
 Threads: arrivals may come from any thread (the host's request threads); admissions and
 departures from engine threads; readers from anywhere. All mutable state below is owned
-by ``_lock``. Arrival listeners run on the arriving thread, outside the lock.
+by ``_lock``.
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-ArrivalListener = Callable[[str, str], None]
 
 # Kinds of bad input; each is logged once per registry and then only counted.
 DUPLICATE_ARRIVAL = "duplicate_arrival"
 ADMISSION_UNKNOWN = "admission_unknown"
 DEPARTURE_UNKNOWN = "departure_unknown"
 SECOND_DEPARTURE = "second_departure"
-LISTENER_ERROR = "listener_error"
 
 # How many departed ids are remembered to tell a second departure from an unknown one.
 _RECENT_DEPARTURES = 4096
@@ -45,7 +41,6 @@ class ArrivalRegistry:
         self._departures = 0
         self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._bad: Counter[str] = Counter()
-        self._listeners: list[ArrivalListener] = []
 
     # -- updates ---------------------------------------------------------------------
 
@@ -56,26 +51,16 @@ class ArrivalRegistry:
             requests = self._live.setdefault(engine_id, {})
             if request_id in requests:
                 first = self._note_bad_locked(DUPLICATE_ARRIVAL)
-                listeners: list[ArrivalListener] = []
             else:
                 first = False
                 requests[request_id] = False
                 self._recent.pop(key, None)
                 self._active += 1
                 self._arrivals += 1
-                listeners = list(self._listeners)
         if first:
             log.debug(
                 "mlx-recovery: request %r arrived twice on %r; ignored", request_id, engine_id
             )
-        for listener in listeners:
-            try:
-                listener(engine_id, request_id)
-            except Exception as exc:  # noqa: BLE001 - a listener must not break arrivals
-                with self._lock:
-                    report = self._note_bad_locked(LISTENER_ERROR)
-                if report:
-                    log.error("mlx-recovery: arrival listener %r failed: %r", listener, exc)
 
     def admitted(self, engine_id: str, request_id: str) -> None:
         """The engine moved the request from waiting to running. Engine thread."""
@@ -128,18 +113,6 @@ class ArrivalRegistry:
             self._departures += len(requests)
             return len(requests)
 
-    def add_arrival_listener(self, fn: ArrivalListener) -> None:
-        """Call ``fn(engine_id, request_id)`` on every new arrival, on the arriving
-        thread, outside the lock. It must be quick; an exception it raises is logged."""
-        with self._lock:
-            if fn not in self._listeners:
-                self._listeners.append(fn)
-
-    def remove_arrival_listener(self, fn: ArrivalListener) -> None:
-        with self._lock:
-            if fn in self._listeners:
-                self._listeners.remove(fn)
-
     # -- queries ---------------------------------------------------------------------
 
     def foreground_active(self) -> bool:
@@ -147,10 +120,11 @@ class ArrivalRegistry:
         with self._lock:
             return self._active > 0
 
-    def active_on(self, engine_id: str) -> int:
-        """Requests arrived and not departed on ``engine_id``."""
+    def arrivals(self) -> int:
+        """Arrivals so far, ever increasing: a running slice that sees it change knows a
+        request came in (duplicates of a live request do not count)."""
         with self._lock:
-            return len(self._live.get(engine_id, ()))
+            return self._arrivals
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

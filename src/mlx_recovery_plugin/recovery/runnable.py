@@ -17,35 +17,10 @@ from dataclasses import dataclass
 
 from ..ports import EnginePort
 from .budget import Budget
+from .outcomes import Refusal
 from .registry import ArrivalRegistry
 
 log = logging.getLogger(__name__)
-
-MODEL_NOT_OPTED_IN = "model_not_opted_in"
-QUEUES_BUSY = "queues_busy"
-SPARSE_ROUTE_LIVE = "sparse_route_live"
-NOT_ENOUGH_IDLE_STEPS = "not_enough_idle_steps"
-OTHER_ENGINE_BUSY = "other_engine_busy"
-FOREGROUND_ACTIVE = "foreground_active"
-BUDGET_OFF = "budget_off"
-BUDGET_SPENT = "budget_spent"
-CLAIM_TAKEN = "claim_taken"
-MEMORY_PRESSURE = "memory_pressure"
-HOST_ERROR = "host_error"
-
-REASONS: tuple[str, ...] = (
-    MODEL_NOT_OPTED_IN,
-    QUEUES_BUSY,
-    SPARSE_ROUTE_LIVE,
-    NOT_ENOUGH_IDLE_STEPS,
-    OTHER_ENGINE_BUSY,
-    FOREGROUND_ACTIVE,
-    BUDGET_OFF,
-    BUDGET_SPENT,
-    CLAIM_TAKEN,
-    MEMORY_PRESSURE,
-    HOST_ERROR,
-)
 
 # Share of the device's memory above which recovery stays out of the way.
 DEFAULT_MEMORY_FRACTION = 0.85
@@ -54,7 +29,7 @@ DEFAULT_MEMORY_FRACTION = 0.85
 @dataclass(slots=True, frozen=True)
 class GateDecision:
     runnable: bool
-    reason: str | None = None
+    reason: Refusal | None = None
 
     def __bool__(self) -> bool:
         return self.runnable
@@ -68,7 +43,7 @@ class RunnableGate:
     request live, enough consecutive idle steps, no other engine working, no request
     arrived and not departed anywhere, budget available, claim free, memory below the
     probe's limit. The first failing check is the reason; a port of this engine that
-    raises gives :data:`HOST_ERROR`.
+    raises gives :attr:`Refusal.HOST_ERROR`.
 
     ``opted_in`` and ``idle_steps_for`` take the engine's **model id** (as
     :meth:`RecoverySettings.for_model` and ``idle_steps_for`` do).
@@ -96,30 +71,30 @@ class RunnableGate:
             return self._check(engine, consecutive_idle)
         except Exception as exc:  # noqa: BLE001 - a failing port must not reach the host
             log.warning("mlx-recovery: runnable gate could not ask the host: %r", exc)
-            return GateDecision(False, HOST_ERROR)
+            return GateDecision(False, Refusal.HOST_ERROR)
 
     def _check(self, engine: EnginePort, consecutive_idle: int) -> GateDecision:
         model_id = engine.model_id
         if not self._opted_in(model_id):
-            return GateDecision(False, MODEL_NOT_OPTED_IN)
+            return GateDecision(False, Refusal.MODEL_NOT_OPTED_IN)
         if not engine.queues_empty():
-            return GateDecision(False, QUEUES_BUSY)
+            return GateDecision(False, Refusal.QUEUES_BUSY)
         if engine.sparse_route_live():
-            return GateDecision(False, SPARSE_ROUTE_LIVE)
+            return GateDecision(False, Refusal.SPARSE_ROUTE_LIVE)
         if consecutive_idle < self._idle_steps_for(model_id):
-            return GateDecision(False, NOT_ENOUGH_IDLE_STEPS)
+            return GateDecision(False, Refusal.NOT_ENOUGH_IDLE_STEPS)
         for other in self._engines():
             if other.engine_id != engine.engine_id and _working(other):
-                return GateDecision(False, OTHER_ENGINE_BUSY)
+                return GateDecision(False, Refusal.OTHER_ENGINE_BUSY)
         if self.registry.foreground_active():
-            return GateDecision(False, FOREGROUND_ACTIVE)
+            return GateDecision(False, Refusal.FOREGROUND_ACTIVE)
         if not self.budget.available():
-            return GateDecision(False, BUDGET_OFF if self.budget.pct == 0 else BUDGET_SPENT)
+            return GateDecision(False, Refusal.BUDGET_OFF if self.budget.pct == 0 else Refusal.BUDGET_SPENT)
         claim = self.budget.claimed_by
         if claim is not None and claim != engine.engine_id:
-            return GateDecision(False, CLAIM_TAKEN)
+            return GateDecision(False, Refusal.CLAIM_TAKEN)
         if not self._memory_ok():
-            return GateDecision(False, MEMORY_PRESSURE)
+            return GateDecision(False, Refusal.MEMORY_PRESSURE)
         return RUNNABLE
 
 

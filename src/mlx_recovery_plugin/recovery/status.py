@@ -8,7 +8,10 @@ thread, serialise as JSON, or print with ``mlx-recovery status``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .jobs import RecoveryJob
 
 COUNTER_PREFIX = "mlx_recovery_"
 
@@ -26,6 +29,23 @@ class JobStatus:
     tokens_recovered: int
     held_tokens: int = 0
     stood_down: str | None = None
+
+    @classmethod
+    def of(cls, job: RecoveryJob, block_size: int, now: float) -> JobStatus:
+        """A copy of ``job``'s figures (under the lock that guards the job)."""
+        return cls(
+            job_id=job.job_id,
+            tokens=len(job.tokens),
+            committed=job.committed,
+            target_end=job.target_end,
+            publish_end=job.publish_end(block_size),
+            debt=job.debt,
+            attempts=job.attempts,
+            parked_for_s=(job.parked_until - now) if job.parked_until is not None and job.parked(now) else None,
+            tokens_recovered=job.tokens_recovered,
+            held_tokens=len(job.held) * block_size,
+            stood_down=job.stood_down,
+        )
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ crosses and the recurrent state is snapshotted there. Sliding-window layers are 
 while the slice's positions are still in the window; the part of a block written by an
 earlier slice is carried between slices, so a window smaller than a block still works.
 
-Interruptible slices stop between layers (see :mod:`.gate`): the forward is evaluated
+Interruptible slices stop between layers (see :mod:`.layer_stop`): the forward is evaluated
 layer by layer and the stop signal consulted in between; an abandoned slice puts the
 live cache back exactly as it was, without copying it.
 

@@ -5,8 +5,8 @@ Importing this package does not import a host; :meth:`OmlxInstrumentor.instrumen
 ``omlx_adapter`` and ``fusion_mlx_adapter`` are the entry points' adapters.
 """
 
-from .instrumentor import SUPPORTED_VERSIONS, OmlxInstrumentor, version_supported
-from .members import FLYTO_MLX, FUSION_MLX, MEMBERS, Member, VersionRange, member_of
+from .instrumentor import OmlxInstrumentor, version_supported
+from .members import FLYTO_MLX, FUSION_MLX, MEMBERS, Member, member_of
 
 omlx_adapter = OmlxInstrumentor(FLYTO_MLX)
 fusion_mlx_adapter = OmlxInstrumentor(FUSION_MLX)
@@ -15,10 +15,8 @@ __all__ = [
     "FLYTO_MLX",
     "FUSION_MLX",
     "MEMBERS",
-    "SUPPORTED_VERSIONS",
     "Member",
     "OmlxInstrumentor",
-    "VersionRange",
     "fusion_mlx_adapter",
     "member_of",
     "omlx_adapter",

@@ -39,21 +39,19 @@ import importlib
 import importlib.util
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-import pluggy
-
-from ..instrumenting import HostInstrumentor, parse_version
+from ..instrumenting import Factories, HostInstrumentor, VersionRange
 from ..instrumenting import iter_wrapped as iter_wrapped  # callers import it from here
 from .lifecycle import Lifecycle
-from .members import FLYTO_MLX, Member, VersionRange
+from .members import FLYTO_MLX, Member
 from .wrappers import FACTORIES
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ...plugins import HookEmitter
 
-#: flyto-mlx releases this adapter was written against (kept for callers of 0.1).
-SUPPORTED_VERSIONS: VersionRange = FLYTO_MLX.versions
+log = logging.getLogger(__name__)
 
 SCHEDULER_METHODS = tuple(name for cls, name in FACTORIES if cls == "Scheduler")
 ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCore")
@@ -61,14 +59,14 @@ ENGINE_CORE_METHODS = tuple(name for cls, name in FACTORIES if cls == "EngineCor
 SCHEDULER_NEEDS = ("_extract_cache_states", "set_specprefill_draft_model", "abort_request")
 
 def version_supported(version: str, member: Member = FLYTO_MLX) -> bool:
-    parsed = parse_version(version)
-    return bool(parsed) and parsed in member.versions
+    return member.versions.admits(version)
 
 
 class OmlxInstrumentor(HostInstrumentor):
     """The oMLX family's host adapter, bound to one member (:mod:`.members`); the entry
     points ``omlx`` and ``fusion_mlx`` of ``mlx_recovery_plugin.hosts`` are instances.
-    Uninstrumenting and the per-engine look-ups are :class:`~..instrumenting.HostInstrumentor`'s."""
+    ``instrument()``, uninstrumenting and the per-engine look-ups are
+    :class:`~..instrumenting.HostInstrumentor`'s; this class says what is oMLX's."""
 
     log = log
 
@@ -97,41 +95,27 @@ class OmlxInstrumentor(HostInstrumentor):
         except (ImportError, ValueError):
             return False
 
-    def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
-        """Wrap the member's scheduler and engine; True when attached (now or before).
-        Hooks go to ``pm``, by default the process plugin manager."""
-        member = self.member
-        with self._lock:
-            if self._patches:
-                return True
-            classes = {"Scheduler": member.scheduler_class(), "EngineCore": member.engine_core_class()}
-            version = member.version()
-            if not version_supported(version, member):
-                log.warning(
-                    "mlx-recovery: %s %s is not supported (this adapter knows %s); "
-                    "not attaching", member.label, version, member.versions,
-                )
-                return False
-            wanted = [*FACTORIES, *(("Scheduler", n) for n in SCHEDULER_NEEDS)]
-            missing = [f"{c}.{n}" for c, n in wanted if not hasattr(classes[c], n)]
-            missing += [name for name in (member.scheduler_output, member.buffer_lock) if not _resolves(member, name)]
-            if missing:
-                log.warning(
-                    "mlx-recovery: %s %s lacks %s; not attaching", member.label, version, ", ".join(missing)
-                )
-                return False
-            from ...plugins import HookEmitter, get_plugin_manager
+    # -- the template's parts (:class:`~..instrumenting.HostInstrumentor`) ---------------
 
-            emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
-            self._life = Lifecycle(emitter, self._clock, self._accept, member=member)
-            self.version = version
-            self._patches.wrap(classes, FACTORIES, self._life)
-            plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
-            log.info(
-                "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed); "
-                "plugins: %s", member.label, version, len(self._patches), ", ".join(plugins) or "none",
-            )
-            return True
+    def _host_version(self) -> str:
+        return self.member.version()
+
+    def _host_versions(self) -> VersionRange:
+        return self.member.versions
+
+    def _host_classes(self) -> dict[str, type]:
+        return {"Scheduler": self.member.scheduler_class(), "EngineCore": self.member.engine_core_class()}
+
+    def _host_factories(self) -> Factories:
+        return FACTORIES
+
+    def _host_missing(self, classes: Mapping[str, type]) -> list[str]:
+        member = self.member
+        missing = [f"Scheduler.{n}" for n in SCHEDULER_NEEDS if not hasattr(classes["Scheduler"], n)]
+        return missing + [name for name in (member.scheduler_output, member.buffer_lock) if not _resolves(member, name)]
+
+    def _new_lifecycle(self, emitter: HookEmitter) -> Lifecycle:
+        return Lifecycle(emitter, self._clock, self._accept, member=self.member)
 
     def _host_label(self) -> str:
         return self.member.label
@@ -167,11 +151,6 @@ class OmlxInstrumentor(HostInstrumentor):
         has_requests = next((o for o in originals if callable(o)), type(scheduler).has_requests)
         record = self._life.get(scheduler) if self._life is not None else None
         return bool(has_requests(scheduler)) or (record is not None and record.aborted_all_pending)
-
-
-def _plugin_label(name: str, plugin: object) -> str:
-    # pluggy names an unnamed plugin by its id(); the class name says more.
-    return type(plugin).__name__ if name == str(id(plugin)) else name
 
 
 def _resolves(member: Member, dotted: str) -> bool:

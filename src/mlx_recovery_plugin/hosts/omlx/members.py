@@ -20,19 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-
-@dataclass(slots=True, frozen=True)
-class VersionRange:
-    """Versions ``>= low`` and ``< high``."""
-
-    low: tuple[int, ...]
-    high: tuple[int, ...]
-
-    def __contains__(self, version: tuple[int, ...]) -> bool:
-        return self.low <= version < self.high
-
-    def __str__(self) -> str:
-        return f">={'.'.join(map(str, self.low))},<{'.'.join(map(str, self.high))}"
+from ..instrumenting import VersionRange
 
 
 @dataclass(slots=True, frozen=True)

@@ -99,7 +99,7 @@ def scheduler_step(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -
             record.driver.run_idle_step(
                 record.engine_id,
                 getattr(scheduler, "_stream", None),
-                life.engine_idle_step,
+                life.emitter.engine_idle_step,
                 guard=buffer_lock,
             )
         return output_type()
@@ -113,7 +113,7 @@ def scheduler_fail_all_requests(life: Lifecycle, original: Fn, originals: Mappin
         record = life.get(scheduler)
         if record is not None:
             error, record.last_step_error = record.last_step_error or FAILED_ALL_ERROR, None
-            life.engine_failed_all(record, error)
+            life.emitter.engine_failed_all(record.engine_id, error)
             for rid in list(failed or ()):
                 life.safe(life.depart, record, rid, DepartureReason.FAILED)
             life.safe(life.sweep, record, scheduler, DepartureReason.FAILED)
@@ -130,7 +130,7 @@ def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, 
     def deep_reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None:
-            life.engine_reset(record, deep=True)
+            life.emitter.engine_reset(record.engine_id, True)
         life.local.deep_reset = True
         try:
             return original(scheduler, *args, **kwargs)
@@ -146,7 +146,7 @@ def scheduler_shutdown(life: Lifecycle, original: Fn, originals: Mapping[str, Fn
     def shutdown(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None and life.safe(life.detach, record):
-            life.engine_shutdown(record)
+            life.emitter.engine_shutdown(record.engine_id)
         return original(scheduler, *args, **kwargs)
 
     return shutdown
@@ -158,7 +158,7 @@ def scheduler_recover_from_cache_error(life: Lifecycle, original: Fn, originals:
     def _recover_from_cache_error(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None:
-            life.engine_reset(record, deep=False)
+            life.emitter.engine_reset(record.engine_id, False)
         return original(scheduler, *args, **kwargs)
 
     return _recover_from_cache_error

@@ -5,6 +5,6 @@ Importing this package imports neither rapid-mlx, MLX, asyncio nor pluggy (beyon
 the parent packages import); :meth:`RapidInstrumentor.instrument` does the heavy work.
 """
 
-from .instrumentor import HOST_PACKAGE, SUPPORTED_VERSIONS, RapidInstrumentor, version_supported
+from .instrumentor import HOST_PACKAGE, VERSIONS, RapidInstrumentor, version_supported
 
-__all__ = ["HOST_PACKAGE", "SUPPORTED_VERSIONS", "RapidInstrumentor", "version_supported"]
+__all__ = ["HOST_PACKAGE", "VERSIONS", "RapidInstrumentor", "version_supported"]

@@ -42,21 +42,20 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..instrumenting import HostInstrumentor, parse_version
+from ..instrumenting import Factories, HostInstrumentor, VersionRange
 
 if TYPE_CHECKING:
-    import pluggy
-
+    from ...plugins import HookEmitter
     from .idle_driver import IdleDriver
     from .lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
 #: rapid-mlx releases this adapter was written against (read from 0.16.10's code).
-SUPPORTED_VERSIONS = ((0, 16, 10), (0, 17))
+VERSIONS = VersionRange((0, 16, 10), (0, 17))
 
 #: The top-level import package of rapid-mlx (its ``vllm_mlx`` is a forwarding shim).
 HOST_PACKAGE = "rapid_mlx"
@@ -72,14 +71,7 @@ DEFAULT_BLOCK_TOKENS = 256
 SCHEDULER_NEEDS = ("abort_request", "SchedulerOutput")
 
 def version_supported(version: str) -> bool:
-    parsed = parse_version(version)
-    low, high = SUPPORTED_VERSIONS
-    return bool(parsed) and low <= parsed < high
-
-
-def supported_text() -> str:
-    low, high = SUPPORTED_VERSIONS
-    return f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    return VERSIONS.admits(version)
 
 
 def block_tokens(environ: dict[str, str] | None = None) -> int:
@@ -99,7 +91,8 @@ def block_tokens(environ: dict[str, str] | None = None) -> int:
 
 class RapidInstrumentor(HostInstrumentor):
     """The rapid-mlx host adapter (entry point ``rapid_mlx`` of ``mlx_recovery_plugin.hosts``).
-    Uninstrumenting and the per-engine look-ups are :class:`~..instrumenting.HostInstrumentor`'s."""
+    ``instrument()``, uninstrumenting and the per-engine look-ups are
+    :class:`~..instrumenting.HostInstrumentor`'s; this class says what is rapid-mlx's."""
 
     log = log
 
@@ -122,45 +115,37 @@ class RapidInstrumentor(HostInstrumentor):
         except (ImportError, ValueError):
             return False
 
-    def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
-        """Wrap rapid-mlx's scheduler and engine; True when attached (now or before).
-        Hooks go to ``pm``, by default the process plugin manager."""
-        with self._lock:
-            if self._patches:
-                return True
-            version = rapid_version()
-            if not version_supported(version):
-                log.warning(
-                    "mlx-recovery: rapid-mlx %s is not supported (this adapter knows %s); "
-                    "not attaching", version, supported_text(),
-                )
-                return False
-            scheduler_module = importlib.import_module("rapid_mlx.scheduler")
-            classes = {
-                "Scheduler": scheduler_module.Scheduler,
-                "EngineCore": importlib.import_module("rapid_mlx.engine_core").EngineCore,
-            }
-            from .wrappers import FACTORIES
+    # -- the template's parts (:class:`~..instrumenting.HostInstrumentor`) ---------------
 
-            missing = [f"{c}.{n}" for c, n in FACTORIES if not hasattr(classes[c], n)]
-            missing += [f"scheduler.{n}" for n in SCHEDULER_NEEDS
-                        if not hasattr(classes["Scheduler"], n) and not hasattr(scheduler_module, n)]
-            if missing:
-                log.warning("mlx-recovery: rapid-mlx %s lacks %s; not attaching", version, ", ".join(missing))
-                return False
-            from ...plugins import HookEmitter, get_plugin_manager
-            from .lifecycle import Lifecycle
+    def _host_version(self) -> str:
+        return rapid_version()
 
-            emitter = HookEmitter(pm if pm is not None else get_plugin_manager())
-            size = self._block_size if self._block_size is not None else block_tokens()
-            self._life = Lifecycle(emitter, self._clock, size)
-            self.version = version
-            self._patches.wrap(classes, FACTORIES, self._life)
-            log.info(
-                "mlx-recovery: attached to rapid-mlx %s (%d methods wrapped, no file changed)",
-                version, len(self._patches),
-            )
-            return True
+    def _host_versions(self) -> VersionRange:
+        return VERSIONS
+
+    def _host_classes(self) -> dict[str, type]:
+        return {
+            "Scheduler": importlib.import_module("rapid_mlx.scheduler").Scheduler,
+            "EngineCore": importlib.import_module("rapid_mlx.engine_core").EngineCore,
+        }
+
+    def _host_factories(self) -> Factories:
+        from .wrappers import FACTORIES
+
+        return FACTORIES
+
+    def _host_missing(self, classes: Mapping[str, type]) -> list[str]:
+        scheduler_module = importlib.import_module("rapid_mlx.scheduler")
+        return [
+            f"scheduler.{n}" for n in SCHEDULER_NEEDS
+            if not hasattr(classes["Scheduler"], n) and not hasattr(scheduler_module, n)
+        ]
+
+    def _new_lifecycle(self, emitter: HookEmitter) -> Lifecycle:
+        from .lifecycle import Lifecycle
+
+        size = self._block_size if self._block_size is not None else block_tokens()
+        return Lifecycle(emitter, self._clock, size)
 
     def _host_label(self) -> str:
         return "rapid-mlx"

@@ -90,7 +90,7 @@ def scheduler_step(life: Lifecycle, original: Fn, originals: Mapping[str, Fn]) -
             life.safe(life.after_step, record, scheduler, real_work)
             return output
         if life.safe(life.idle_now, record, scheduler):
-            record.driver.run_idle_step(record.engine_id, life.engine_idle_step)
+            record.driver.run_idle_step(record.engine_id, life.emitter.engine_idle_step)
         return output_type()
 
     return step
@@ -106,7 +106,7 @@ def scheduler_recover_from_generation_error(life: Lifecycle, original: Fn, origi
         record = life.get(scheduler)
         if record is not None:
             error = f"{type(handling).__name__}: {handling}" if handling is not None else FAILED_ALL_ERROR
-            life.engine_failed_all(record, error)
+            life.emitter.engine_failed_all(record.engine_id, error)
             for rid in list(failed or ()):
                 life.safe(life.depart, record, rid, DepartureReason.FAILED)
         return failed
@@ -123,7 +123,7 @@ def scheduler_deep_reset(life: Lifecycle, original: Fn, originals: Mapping[str, 
     def deep_reset(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         if record is not None:
-            life.engine_reset(record, deep=True)
+            life.emitter.engine_reset(record.engine_id, True)
         life.local.deep_reset = True
         try:
             return original(scheduler, *args, **kwargs)
@@ -146,7 +146,7 @@ def scheduler_clear_prefix_cache(life: Lifecycle, original: Fn, originals: Mappi
             life.local.plain_has_requests = False
         record = life.get(scheduler)
         if record is not None and cleared:
-            life.engine_reset(record, deep=True)
+            life.emitter.engine_reset(record.engine_id, True)
         return cleared
 
     return clear_prefix_cache
