@@ -1,12 +1,12 @@
 """The adopter state machine (testing/machines/adopter.py), derandomized: the same cases on
-every run, so a kill never depends on luck. `mlx-recovery bench machines` runs it wider
+every run, so a kill never depends on luck. `python tests/lab machines` runs it wider
 with fresh random cases."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
-from mlx_recovery_plugin.testing.machines.adopter import AdopterMachine
+from lab.machines.adopter import AdopterMachine
 
 
 class CiAdopterMachine(AdopterMachine):

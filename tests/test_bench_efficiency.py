@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_recovery_plugin.bench.efficiency import format_rows, run_efficiency_bench
+from lab.efficiency import format_rows, run_efficiency_bench
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""``mlx-recovery bench faults`` at a tiny size: every fault kind is injected, nothing leaks,
+"""``python tests/lab faults`` at a tiny size: every fault kind is injected, nothing leaks,
 nothing reaches the host, no dense output differs from a cold host's; and the checks can
 fail (a leaking plugin, a plugin that raises into the host, a wrong output)."""
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from mlx_recovery_plugin.bench import faults
-from mlx_recovery_plugin.bench.faults import FAULT_KINDS, format_result, run_fault_bench
-from mlx_recovery_plugin.cli import build_parser
+from lab import faults
+from lab.cli import build_parser
+from lab.faults import FAULT_KINDS, format_result, run_fault_bench
 from mlx_recovery_plugin.events import IdleStep
 from mlx_recovery_plugin.hookspecs import hookimpl
 from mlx_recovery_plugin.testing.clock import random_tokens
@@ -87,14 +87,14 @@ def test_the_checks_count_wrong_outputs(models, monkeypatch) -> None:
 
 
 def test_the_command_is_registered() -> None:
-    args = build_parser().parse_args(["bench", "faults", "--runs", "3", "--seed", "7", "--no-openblas"])
+    args = build_parser().parse_args(["faults", "--runs", "3", "--seed", "7", "--no-openblas"])
     assert (args.runs, args.seed, args.no_openblas) == (3, 7, True)
     assert args.func is faults._run
 
 
 def test_on_omlx_the_checks_count_leaks_and_exceptions_into_the_host(models) -> None:
     pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests")
-    from mlx_recovery_plugin.bench.faults_omlx import run_omlx_fault_bench
+    from lab.faults_omlx import run_omlx_fault_bench
 
     leaky = run_omlx_fault_bench(3, seed=1, models=models, extra_plugins=lambda: [LeakingPlugin()])
     assert sum(r.leaked_refs for r in leaky.rows.values()) > 0 and not leaky.ok
@@ -105,14 +105,14 @@ def test_on_omlx_the_checks_count_leaks_and_exceptions_into_the_host(models) -> 
 
 
 def test_the_host_option_is_registered() -> None:
-    args = build_parser().parse_args(["bench", "faults", "--host", "omlx"])
+    args = build_parser().parse_args(["faults", "--host", "omlx"])
     assert (args.host, args.runs) == ("omlx", None)
-    assert build_parser().parse_args(["bench", "faults"]).host == "mock"
+    assert build_parser().parse_args(["faults"]).host == "mock"
 
 
 def test_on_omlx_every_kind_is_injected_and_nothing_leaks_or_escapes(models) -> None:
     pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests")
-    from mlx_recovery_plugin.bench.faults_omlx import run_omlx_fault_bench
+    from lab.faults_omlx import run_omlx_fault_bench
 
     result = run_omlx_fault_bench(20, seed=0, models=models)
     for row in result.rows.values():
@@ -125,7 +125,7 @@ def test_on_omlx_every_kind_is_injected_and_nothing_leaks_or_escapes(models) -> 
 
 def test_on_omlx_the_checks_count_wrong_outputs(models, monkeypatch) -> None:
     pytest.importorskip("omlx.scheduler", reason="oMLX (flyto-mlx) is not installed; CI installs it for these tests")
-    from mlx_recovery_plugin.bench import faults_omlx
+    from lab import faults_omlx
 
     real = faults_omlx.OmlxColdReference.__call__
 

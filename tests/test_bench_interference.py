@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from mlx_recovery_plugin.bench import interference
-from mlx_recovery_plugin.bench.interference import (
+from lab import interference
+from lab.interference import (
     MissingMeasurement,
     TrialOutcome,
     arrive_after_recovery,

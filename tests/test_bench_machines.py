@@ -1,4 +1,4 @@
-"""`mlx-recovery bench machines`: runs the state machines with fresh random cases and
+"""`python tests/lab machines`: runs the state machines with fresh random cases and
 fails loudly when an invariant breaks."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from hypothesis.stateful import invariant
 
-from mlx_recovery_plugin.bench import machines
-from mlx_recovery_plugin.cli import build_parser
-from mlx_recovery_plugin.testing.machines.adopter import AdopterMachine
+from lab import machines_bench as machines
+from lab.cli import build_parser
+from lab.machines.adopter import AdopterMachine
 
 
 def run_cli(argv: list[str]) -> int:
-    args = build_parser().parse_args(["bench", "machines", *argv])
+    args = build_parser().parse_args(["machines", *argv])
     return int(args.func(args))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from mlx_recovery_plugin.bench import openblas
 from mlx_recovery_plugin.runner import blas
 
 BUNDLED = "/venv/lib/python3.11/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
@@ -77,10 +78,10 @@ def test_the_preload_path_is_the_first_installed_candidate(tmp_path: Path) -> No
 
 
 def test_preload_env_puts_openblas_first_once() -> None:
-    env = blas.preload_env(OPENBLAS, {"LD_PRELOAD": f"/x/libfoo.so:{OPENBLAS}", "A": "1"})
+    env = openblas.preload_env(OPENBLAS, {"LD_PRELOAD": f"/x/libfoo.so:{OPENBLAS}", "A": "1"})
     assert env["LD_PRELOAD"] == f"{OPENBLAS}:/x/libfoo.so"
     assert env["A"] == "1"
-    assert blas.preload_env(OPENBLAS, {})["LD_PRELOAD"] == OPENBLAS
+    assert openblas.preload_env(OPENBLAS, {})["LD_PRELOAD"] == OPENBLAS
 
 
 def _fake_wheel(tmp_path: Path, *, gfortran: bool = True, quadmath: bool = True) -> tuple[Path, Path]:
@@ -99,9 +100,9 @@ def _fake_wheel(tmp_path: Path, *, gfortran: bool = True, quadmath: bool = True)
 def test_the_system_openblas_is_preferred_and_the_wheel_is_the_fallback(tmp_path: Path) -> None:
     slow = blas.BlasInfo("reference", BUNDLED)
     wheel = _fake_wheel(tmp_path)
-    choice = blas.choose_openblas("auto", system="Linux", info=slow, system_library=OPENBLAS, wheel=wheel)
-    assert choice.plan == blas.OpenblasPlan("system", OPENBLAS)
-    choice = blas.choose_openblas("auto", system="Linux", info=slow, system_library=None, wheel=wheel)
+    choice = openblas.choose_openblas("auto", system="Linux", info=slow, system_library=OPENBLAS, wheel=wheel)
+    assert choice.plan == openblas.OpenblasPlan("system", OPENBLAS)
+    choice = openblas.choose_openblas("auto", system="Linux", info=slow, system_library=None, wheel=wheel)
     assert choice.plan is not None and choice.plan.source == "wheel"
     assert choice.plan.library == str(wheel[0])
     (link_dir,) = choice.plan.library_dirs
@@ -111,7 +112,7 @@ def test_the_system_openblas_is_preferred_and_the_wheel_is_the_fallback(tmp_path
     assert names["libquadmath.so.0"] == names["libquadmath-a962d038.so.0.0.0"] == "libquadmath-a962d038.so.0.0.0"
     env = choice.plan.env({"LD_LIBRARY_PATH": "/x"})
     assert env["LD_PRELOAD"] == str(wheel[0]) and env["LD_LIBRARY_PATH"] == f"{link_dir}:/x"
-    forced = blas.choose_openblas("wheel", system="Linux", info=slow, system_library=OPENBLAS, wheel=wheel)
+    forced = openblas.choose_openblas("wheel", system="Linux", info=slow, system_library=OPENBLAS, wheel=wheel)
     assert forced.plan is not None and forced.plan.source == "wheel"
 
 
@@ -133,7 +134,7 @@ def test_says_in_one_line_why_openblas_does_not_apply(tmp_path: Path, kwargs: di
     wheel = _fake_wheel(tmp_path, gfortran=kwargs.pop("gfortran", True), quadmath=kwargs.pop("quadmath", True))
     args = {"mode": "auto", "system": "Linux", "info": blas.BlasInfo("reference", BUNDLED),
             "system_library": None, "wheel": wheel} | kwargs
-    choice = blas.choose_openblas(args.pop("mode"), **args)
+    choice = openblas.choose_openblas(args.pop("mode"), **args)
     assert choice.plan is None
     assert why in choice.reason and "\n" not in choice.reason
 
@@ -143,34 +144,34 @@ def test_reexec_runs_the_same_command_again_under_openblas_only_once(
 ) -> None:
     calls: list[tuple[str, list[str], dict[str, str]]] = []
     monkeypatch.setattr(
-        blas, "choose_openblas", lambda mode=None: blas.OpenblasChoice(blas.OpenblasPlan("system", OPENBLAS), "x")
+        openblas, "choose_openblas", lambda mode=None: openblas.OpenblasChoice(openblas.OpenblasPlan("system", OPENBLAS), "x")
     )
-    monkeypatch.setattr(blas.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
-    monkeypatch.delenv(blas.REEXEC_MARKER, raising=False)
-    monkeypatch.setattr(blas.sys, "orig_argv", ["python", "/venv/bin/mlx-recovery", "demo", "--quick"])
+    monkeypatch.setattr(openblas.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
+    monkeypatch.delenv(openblas.REEXEC_MARKER, raising=False)
+    monkeypatch.setattr(openblas.sys, "orig_argv", ["python", "/venv/bin/mlx-recovery", "demo", "--quick"])
 
-    blas.reexec_with_openblas()
+    openblas.reexec_with_openblas()
     (exe, argv, env), = calls
-    assert exe == blas.sys.executable and argv[1:] == ["/venv/bin/mlx-recovery", "demo", "--quick"]
-    assert env["LD_PRELOAD"].split(":")[0] == OPENBLAS and env[blas.REEXEC_MARKER] == "1"
+    assert exe == openblas.sys.executable and argv[1:] == ["/venv/bin/mlx-recovery", "demo", "--quick"]
+    assert env["LD_PRELOAD"].split(":")[0] == OPENBLAS and env[openblas.REEXEC_MARKER] == "1"
 
-    monkeypatch.setenv(blas.REEXEC_MARKER, "1")  # the child does not go round again
-    blas.reexec_with_openblas()
+    monkeypatch.setenv(openblas.REEXEC_MARKER, "1")  # the child does not go round again
+    openblas.reexec_with_openblas()
     assert len(calls) == 1
 
 
 def test_no_reexec_when_nothing_applies_and_the_reason_is_printed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.delenv(blas.REEXEC_MARKER, raising=False)
-    monkeypatch.setattr(blas.os, "execve", lambda *a: pytest.fail("must not re-execute"))
-    monkeypatch.setattr(blas, "choose_openblas", lambda mode=None: blas.OpenblasChoice(None, "because"))
-    assert blas.reexec_with_openblas().plan is None
+    monkeypatch.delenv(openblas.REEXEC_MARKER, raising=False)
+    monkeypatch.setattr(openblas.os, "execve", lambda *a: pytest.fail("must not re-execute"))
+    monkeypatch.setattr(openblas, "choose_openblas", lambda mode=None: openblas.OpenblasChoice(None, "because"))
+    assert openblas.reexec_with_openblas().plan is None
     assert capsys.readouterr().err == "OpenBLAS: because\n"
 
 
 def _wheel_installed() -> bool:
-    library, bundled = blas.wheel_files()
+    library, bundled = openblas.wheel_files()
     return library is not None and library.is_file() and bundled is not None
 
 
@@ -183,17 +184,18 @@ def test_a_subprocess_reexecs_onto_the_wheels_openblas_without_the_system_one(tm
     import sys
 
     script = (
+        "from mlx_recovery_plugin.bench import openblas\n"
         "from mlx_recovery_plugin.runner import blas\n"
-        "blas.reexec_with_openblas()\n"
+        "openblas.reexec_with_openblas()\n"
         "import mlx.core as mx\n"
         "a = mx.ones((64, 64)); mx.eval(a @ a)\n"
         "info = blas.detect(); print(info.kind, info.library)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.REEXEC_MARKER)}
-    env[blas.OPENBLAS_ENV] = "wheel"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", openblas.REEXEC_MARKER)}
+    env[openblas.OPENBLAS_ENV] = "wheel"
     env["XDG_CACHE_HOME"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     kind, library = done.stdout.split()
-    assert kind == "openblas" and library == str(blas.wheel_files()[0])
+    assert kind == "openblas" and library == str(openblas.wheel_files()[0])
     assert "re-running under OpenBLAS from the cmeel-openblas wheel" in done.stderr

@@ -72,22 +72,25 @@ class _Reexec(Exception):
 
 @pytest.mark.parametrize(
     "argv",
-    [["demo"], ["bench", "runner"], ["bench", "budget"], ["bench", "interference"],
-     ["bench", "efficiency"], ["bench", "server"]],
+    [["demo"], ["bench", "server"], ["lab", "runner"], ["lab", "budget"], ["lab", "interference"],
+     ["lab", "efficiency"], ["lab", "faults"]],
 )
 def test_the_demo_and_every_model_bench_re_run_under_openblas_before_any_work(
     argv: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One convention: each goes through blas.maybe_reexec first (a bench that called the
+    """One convention: each goes through openblas.maybe_reexec first (a bench that called the
     old form crashed only when run)."""
-    from mlx_recovery_plugin.runner import blas
+    from mlx_recovery_plugin.bench import openblas
 
     def reexec(command: object = None, *, mode: object = None) -> None:  # the real signature
         raise _Reexec(argv)
 
-    monkeypatch.setattr(blas, "reexec_with_openblas", reexec)
+    monkeypatch.setattr(openblas, "reexec_with_openblas", reexec)
+    from lab.cli import main as lab_main
+
+    run = (lambda: lab_main(argv[1:])) if argv[0] == "lab" else (lambda: main(argv))
     try:
         with pytest.raises(_Reexec):
-            main(argv)
+            run()
     except SystemExit as exc:  # a subcommand missing in this environment
         pytest.skip(f"{argv} is not available here: {exc}")

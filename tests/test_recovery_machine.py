@@ -1,12 +1,12 @@
 """The recovery state machine (testing/machines/recovery.py), derandomized: the same cases
-on every run, so a kill never depends on luck. `mlx-recovery bench machines` runs it
+on every run, so a kill never depends on luck. `python tests/lab machines` runs it
 wider with fresh random cases."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
-from mlx_recovery_plugin.testing.machines.recovery import run_recovery_machine
+from lab.machines.recovery import run_recovery_machine
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
 
 

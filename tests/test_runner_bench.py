@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_recovery_plugin.bench.runner import run_runner_bench
+from lab.runner import run_runner_bench
 
 
 def test_the_runner_bench_reports_ratio_memory_and_arrival_wait(tiny_llama_dir: Path) -> None:

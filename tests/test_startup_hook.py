@@ -154,11 +154,11 @@ def test_parse_group_reads_one_section_and_skips_comments() -> None:
 
 
 def test_the_startup_bench_reports_the_hook_and_no_heavy_module(capsys: pytest.CaptureFixture[str]) -> None:
-    from mlx_recovery_plugin.bench.startup import measure_startup
-    from mlx_recovery_plugin.cli import build_parser
+    from lab.cli import build_parser
+    from lab.startup import measure_startup
 
     result = measure_startup(sys.executable, pairs=1)
-    args = build_parser().parse_args(["bench", "startup", "--pairs", "1"])
+    args = build_parser().parse_args(["startup", "--pairs", "1"])
     code = args.func(args)
     out, err = capsys.readouterr()
     if not result.hook_active:  # an editable install without the .pth copied in

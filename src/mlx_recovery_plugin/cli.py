@@ -21,15 +21,9 @@ COMMAND_MODULES = (
     "mlx_recovery_plugin.demo.cli",
     "mlx_recovery_plugin.control_cli",
 )
+# The benches users run; the project's own lab benches live in tests/lab (not shipped).
 BENCH_MODULES = (
-    "mlx_recovery_plugin.bench.runner",
     "mlx_recovery_plugin.bench.adopter",
-    "mlx_recovery_plugin.bench.interference",
-    "mlx_recovery_plugin.bench.budget",
-    "mlx_recovery_plugin.bench.efficiency",
-    "mlx_recovery_plugin.bench.faults",
-    "mlx_recovery_plugin.bench.machines",
-    "mlx_recovery_plugin.bench.startup",
     "mlx_recovery_plugin.bench.server.cli",
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..runner.blas import add_openblas_flag, maybe_reexec
+from ..bench.openblas import add_openblas_flag, maybe_reexec
 from ..testing.tiny_model import TinyModelSpec
 from .session import SessionSpec
 

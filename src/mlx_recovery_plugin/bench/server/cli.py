@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...runner.blas import add_openblas_flag, maybe_reexec
+from ..openblas import add_openblas_flag, maybe_reexec
 from .hosts import HOSTS
 from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
 from .sessions import DEFAULT_CURVE, SESSION_NAMES

@@ -1,4 +1,4 @@
-"""``mlx-recovery bench interference``: what a request pays for arriving during recovery.
+"""``python tests/lab interference``: what a request pays for arriving during recovery.
 
 Per trial, on a threaded mock host with recovery on: a long sparse-served prompt leaves a
 recovery job; while slices run, a short request arrives at a random moment and its time to
@@ -34,15 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import RequestAdmitted
-from ..hookspecs import hookimpl
-from ..plugins import make_plugin_manager
-from ..recovery.plugin import RecoveryPlugin
-from ..runner.blas import add_openblas_flag, maybe_reexec
-from ..settings import ModelSettings, RecoverySettings
-from ..testing.host import MockHost
-from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
-from .balance import measure_or_say_why
+from mlx_recovery_plugin.bench.balance import measure_or_say_why
+from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
+from mlx_recovery_plugin.events import RequestAdmitted
+from mlx_recovery_plugin.hookspecs import hookimpl
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
+from mlx_recovery_plugin.testing.host import MockHost
+from mlx_recovery_plugin.testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
+
 from .stats import Spread, spread
 
 MODEL_ID = "bench-interference"
@@ -289,7 +290,7 @@ def run_interference_bench(
 
 
 def format_rows(report: InterferenceReport) -> str:
-    from ..runner.blas import describe
+    from mlx_recovery_plugin.runner.blas import describe
 
     rows = report.rows
     lines = [f"BLAS: {describe()}", report.balance_line,

@@ -16,11 +16,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ...adopter.plugin import AdopterPlugin
-from ...plugins import make_plugin_manager
-from ...settings import RecoverySettings
-from ..block_pool import BlockPool
-from ..detached_store import DetachedSet, DetachedStore
+from mlx_recovery_plugin.adopter.plugin import AdopterPlugin
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.block_pool import BlockPool
+from mlx_recovery_plugin.testing.detached_store import DetachedSet, DetachedStore
 
 B = 4
 STEM = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 3, 7, 7, 1, 9, 2, 8, 5, 6, 4, 0, 1, 3]

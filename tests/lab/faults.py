@@ -1,4 +1,4 @@
-"""``mlx-recovery bench faults``: random interleavings of host events and injected faults.
+"""``python tests/lab faults``: random interleavings of host events and injected faults.
 
 Each run builds a mock host with a real tiny model (one engine, block size 16-64) and a
 :class:`RecoveryPlugin` on a :class:`FakeClock`, then plays a seeded random sequence of
@@ -33,17 +33,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..events import DepartureReason
-from ..plugins import make_plugin_manager
-from ..ports import FetchedPrefix
-from ..recovery.plugin import RecoveryPlugin
-from ..recovery.service import PARK_MAX_S
-from ..runner import SliceRunner
-from ..runner.blas import add_openblas_flag, maybe_reexec
-from ..settings import ModelSettings, RecoverySettings
-from ..testing.clock import FakeClock, random_tokens
-from ..testing.host import MockHost
-from ..testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
+from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
+from mlx_recovery_plugin.events import DepartureReason
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.ports import FetchedPrefix
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.recovery.service import PARK_MAX_S
+from mlx_recovery_plugin.runner import SliceRunner
+from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
+from mlx_recovery_plugin.testing.clock import FakeClock, random_tokens
+from mlx_recovery_plugin.testing.host import MockHost
+from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
 
 MODEL_ID = "bench-faults"
 HOLDER_PREFIX = "mlx-recovery"
@@ -447,7 +447,7 @@ def run_fault_bench(
 
 
 def format_result(result: FaultBenchResult) -> str:
-    from ..runner.blas import describe
+    from mlx_recovery_plugin.runner.blas import describe
 
     lines = [
         f"BLAS: {describe()}",

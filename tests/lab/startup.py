@@ -1,4 +1,4 @@
-"""``mlx-recovery bench startup``: what ``MLX_RECOVERY_ENABLE=1`` costs a process that
+"""``python tests/lab startup``: what ``MLX_RECOVERY_ENABLE=1`` costs a process that
 never imports a host.
 
 The start-up hook runs in every Python process of the environment once the variable is

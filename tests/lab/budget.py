@@ -1,4 +1,4 @@
-"""``mlx-recovery bench budget``: what recovery delivers per idle second, and what share
+"""``python tests/lab budget``: what recovery delivers per idle second, and what share
 of wall time it takes against its cap.
 
 Two measurements on the mock host with a random float32 llama (the runner bench's model,
@@ -30,13 +30,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..plugins import make_plugin_manager
-from ..recovery.plugin import RecoveryPlugin
-from ..runner import blas
-from ..settings import RecoverySettings
-from ..testing.host import MockHost
-from ..testing.tiny_model import BENCH_DRAFT, cached_model_dir, load_tiny_model
-from .balance import measure_or_say_why
+from mlx_recovery_plugin.bench.balance import measure_or_say_why
+from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.runner import blas
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.host import MockHost
+from mlx_recovery_plugin.testing.tiny_model import BENCH_DRAFT, cached_model_dir, load_tiny_model
+
 from .runner import BenchHandle, bench_tokens, load_bench_model, plain_prefill
 from .stats import describe as describe_samples
 
@@ -252,7 +254,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=256, dest="block_size", help="cache block size (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of the rate run (default 3)")
     parser.add_argument("--skip", choices=("rate", "budget"), default=None, help="leave one measurement out")
-    blas.add_openblas_flag(parser)
+    add_openblas_flag(parser)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -265,7 +267,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    blas.maybe_reexec(args)
+    maybe_reexec(args)
     result = run_budget_bench(
         args.model,
         pct=args.pct,
@@ -284,7 +286,7 @@ def handle_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-recovery bench budget", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tests/lab budget", description=__doc__.split("\n\n")[0])
     _configure(parser)
     return handle_args(parser.parse_args(argv))
 

@@ -1,4 +1,4 @@
-"""``mlx-recovery bench efficiency``: committed tokens against what the charged time buys.
+"""``python tests/lab efficiency``: committed tokens against what the charged time buys.
 
 Recovery is charged wall time; what it commits for that time is the figure that matters
 on a slow machine, where a window's allowance pays for less than one block. Per budget
@@ -23,13 +23,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..demo.arms import VirtualClock
-from ..plugins import make_plugin_manager
-from ..recovery.plugin import RecoveryPlugin
-from ..runner.blas import add_openblas_flag, maybe_reexec
-from ..settings import ModelSettings, RecoverySettings
-from ..testing.host import MockHost
-from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
+from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
+from mlx_recovery_plugin.demo.arms import VirtualClock
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
+from mlx_recovery_plugin.testing.host import MockHost
+from mlx_recovery_plugin.testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, cached_model_dir, load_tiny_model
+
 from .runner import BenchHandle, plain_prefill
 from .stats import Spread, spread
 
@@ -134,7 +135,7 @@ def run_efficiency_bench(
 
 
 def format_rows(rows: Sequence[EfficiencyRow]) -> str:
-    from ..runner.blas import describe
+    from mlx_recovery_plugin.runner.blas import describe
 
     lines = [
         f"BLAS: {describe()}",

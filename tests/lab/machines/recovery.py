@@ -15,12 +15,12 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from ...plugins import make_plugin_manager
-from ...recovery.plugin import RecoveryPlugin
-from ...runner import SliceRunner
-from ...settings import RecoverySettings
-from ..clock import random_tokens
-from ..host import MockHost
+from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.runner import SliceRunner
+from mlx_recovery_plugin.settings import RecoverySettings
+from mlx_recovery_plugin.testing.clock import random_tokens
+from mlx_recovery_plugin.testing.host import MockHost
 
 B = 32
 STEP = 64

@@ -1,4 +1,4 @@
-"""``mlx-recovery bench runner``: the recovery runner against plain mlx-lm prefill.
+"""``python tests/lab runner``: the recovery runner against plain mlx-lm prefill.
 
 Same model, same tokens, one process, arms alternating (plain first on even repeats,
 runner first on odd ones) so drift hits both. It prints:
@@ -28,11 +28,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kvcodec import cache_arrays
-from ..ports import FetchedPrefix
-from ..runner import SliceRunner, blas
-from ..state import BlockState
-from .balance import measure_or_say_why
+from mlx_recovery_plugin.bench.balance import measure_or_say_why
+from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
+from mlx_recovery_plugin.kvcodec import cache_arrays
+from mlx_recovery_plugin.ports import FetchedPrefix
+from mlx_recovery_plugin.runner import SliceRunner, blas
+from mlx_recovery_plugin.state import BlockState
+
 from .stats import describe as describe_samples
 
 
@@ -106,7 +108,7 @@ def _med(values: Sequence[float]) -> float:
 
 def load_bench_model(model_dir: Path | None) -> tuple[str, Any]:
     """The bench model: ``model_dir`` if given (any mlx-lm model), else the default."""
-    from ..testing.tiny_model import BENCH_TARGET, cached_model_dir, load_tiny_model
+    from mlx_recovery_plugin.testing.tiny_model import BENCH_TARGET, cached_model_dir, load_tiny_model
 
     if model_dir is None:
         model_dir = cached_model_dir(BENCH_TARGET)
@@ -249,7 +251,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--arrivals", type=int, default=5, help="arrival-wait samples per mode (0: skip)")
     add("--no-interruptible", action="store_false", dest="interruptible",
         help="run the runner arm without stop checks")
-    blas.add_openblas_flag(parser)
+    add_openblas_flag(parser)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -262,7 +264,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def handle_args(args: argparse.Namespace) -> int:
-    blas.maybe_reexec(args)
+    maybe_reexec(args)
     result = run_runner_bench(
         args.model,
         tokens=args.tokens,
@@ -278,7 +280,7 @@ def handle_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="mlx-recovery bench runner", description=(__doc__ or "").split("\n\n")[0]
+        prog="python tests/lab runner", description=(__doc__ or "").split("\n\n")[0]
     )
     _configure(parser)
     return handle_args(parser.parse_args(argv))

@@ -1,4 +1,4 @@
-"""``mlx-recovery bench machines``: the two state machines, wider and with fresh cases.
+"""``python tests/lab machines``: the two state machines, wider and with fresh cases.
 
 CI runs the recovery and adopter state machines derandomized (the same 25 and 50 cases
 every time), so a kill never depends on luck. This runs them with many more examples and
@@ -19,9 +19,10 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 
-from ..testing.machines.adopter import AdopterMachine, run_adopter_machine
-from ..testing.machines.recovery import RecoveryMachine, run_recovery_machine
-from ..testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
+from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
+
+from .machines.adopter import AdopterMachine, run_adopter_machine
+from .machines.recovery import RecoveryMachine, run_recovery_machine
 
 # The models the tests' fixtures write (tests/conftest.py): target and sparse draft.
 TARGET = TinyModelSpec(arch="llama", seed=0)

@@ -1,4 +1,4 @@
-"""``mlx-recovery bench faults --host omlx``: the fault bench on the real oMLX scheduler.
+"""``python tests/lab faults --host omlx``: the fault bench on the real oMLX scheduler.
 
 The same kind of interleavings as :mod:`.faults` (sparse and dense requests, aborts,
 resets, shutdowns and unloads, budget changes, idle steps, clock jumps, and the closing
@@ -30,7 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
+from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
+
 from .faults import (
     FAULT_KINDS,
     HOLDER_PREFIX,
@@ -76,7 +77,7 @@ class OmlxColdReference:
         self.made = 0
 
     def __call__(self, prompt: Sequence[int], max_tokens: int, block_size: int, step: int) -> tuple[int, ...]:
-        from ..testing.omlx_host import OmlxContractHost
+        from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 
         key = (tuple(prompt), max_tokens, block_size, step)
         if key not in self.memo:
@@ -107,7 +108,7 @@ class OmlxRun(FaultRun):
 
     # -- plumbing -------------------------------------------------------------------
     def _new_host(self) -> None:
-        from ..testing.omlx_host import OmlxContractHost
+        from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 
         model, tokenizer, draft = self.models
         self.host = self.guard(
