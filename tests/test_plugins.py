@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import types
 from importlib.metadata import EntryPoint
 
@@ -182,6 +183,35 @@ def test_a_keyboard_interrupt_still_stops_the_process() -> None:
     emitter = HookEmitter(make_plugin_manager([Interrupting()], settings=RecoverySettings(), entry_points_too=False))
     with pytest.raises(KeyboardInterrupt):
         emitter.request_arrived(_arrival("r1"))
+
+
+def test_a_keyboard_interrupt_raised_on_an_engine_thread_never_reaches_the_host() -> None:
+    """Ctrl-C lands on the main thread only: on a host's engine thread it is a plugin bug."""
+
+    class Interrupting:
+        @hookimpl
+        def engine_idle_step(self, event: IdleStep) -> bool:
+            raise KeyboardInterrupt
+
+    class Answering:
+        @hookimpl
+        def engine_idle_step(self, event: IdleStep) -> float:
+            return 0.5
+
+    pm = make_plugin_manager([Answering(), Interrupting()], settings=RecoverySettings(), entry_points_too=False)
+    emitter = HookEmitter(pm)
+    outcome: list[object] = []
+
+    def engine_thread() -> None:
+        try:
+            outcome.append(emitter.engine_idle_step(IdleStep("e1", 1)))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks for
+            outcome.append(exc)
+
+    worker = threading.Thread(target=engine_thread)
+    worker.start()
+    worker.join(timeout=10)
+    assert outcome == [[0.5]] and emitter.errors == 1
 
 
 def test_a_plugin_that_exits_while_loading_is_reported_and_the_rest_load(fake_plugins_module: str) -> None:

@@ -7,8 +7,9 @@ instantiated with no arguments. A plugin that fails to import, or that implement
 with no spec, is logged and skipped; the rest load.
 
 Hosts call hooks through :class:`HookEmitter`, which isolates each implementation: one
-that raises (anything but ``KeyboardInterrupt``, ``SystemExit`` included) is logged once
-and skipped, the others still run, and the host's step never sees the exception.
+that raises (``SystemExit`` included; ``KeyboardInterrupt`` too, except on the main
+thread, where it is the user's Ctrl-C) is logged once and skipped, the others still run,
+and the host's step never sees the exception.
 Because it calls implementations one at a time, it cannot run pluggy hook wrappers: a
 plugin that brings one is refused at registration, never silently left uncalled.
 """
@@ -220,8 +221,13 @@ class HookEmitter:
         for impl in reversed(caller.get_hookimpls()):
             try:
                 result = impl.function(*(kwargs[name] for name in impl.argnames))
-            except KeyboardInterrupt:
-                raise
+            except KeyboardInterrupt as exc:
+                # Python delivers Ctrl-C to the main thread only: there it stops the
+                # process; raised on a host's engine or request thread it is a plugin's fault.
+                if threading.current_thread() is threading.main_thread():
+                    raise
+                self._report(impl.plugin_name, hook_name, exc)
+                continue
             except BaseException as exc:  # noqa: BLE001 - never into the host's step, SystemExit included
                 self._report(impl.plugin_name, hook_name, exc)
                 continue

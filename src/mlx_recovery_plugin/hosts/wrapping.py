@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..events import DepartureReason
@@ -31,10 +31,14 @@ Factory = Callable[[Any, Fn, Mapping[str, Fn]], Fn]
 # -- Scheduler (the host's step thread) ----------------------------------------------------
 
 
+def _waiting_ids(scheduler: Any) -> list[str]:
+    return [r.request_id for r in scheduler.waiting]
+
+
 def scheduler_schedule_waiting(life: Any, original: Fn, originals: Mapping[str, Fn]) -> Fn:
     def _schedule_waiting(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
-        before = [r.request_id for r in scheduler.waiting] if record is not None else []
+        before = (life.safe(_waiting_ids, scheduler) or []) if record is not None else []
         result = original(scheduler, *args, **kwargs)
         if record is not None and before:
             life.safe(life.admitted, record, scheduler, before)
@@ -46,7 +50,9 @@ def scheduler_schedule_waiting(life: Any, original: Fn, originals: Mapping[str, 
 def scheduler_cleanup_finished(life: Any, original: Fn, originals: Mapping[str, Fn]) -> Fn:
     def _cleanup_finished(scheduler: Any, finished_ids: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
-        ids = list(finished_ids or ())
+        if record is not None and finished_ids is not None and not isinstance(finished_ids, Collection):
+            finished_ids = list(finished_ids)  # an iterator read here would reach the host empty
+        ids = list(finished_ids or ()) if record is not None else []
         served = []
         if record is not None:
             # Read before the original drops the finished requests from ``running``.

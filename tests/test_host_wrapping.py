@@ -1,0 +1,72 @@
+"""The wrappers both host adapters share (hosts/wrapping.py): what the host passes reaches
+it unchanged, and the adapter's own reads never raise into the host's step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from mlx_recovery_plugin.events import DepartureReason
+from mlx_recovery_plugin.hosts import wrapping
+
+
+class Life:
+    """The lifecycle surface the wrappers call, recording what they told it."""
+
+    def __init__(self) -> None:
+        self.record = object()
+        self.departed: list[str] = []
+        self.admissions: list[list[str]] = []
+        self.faults = 0
+
+    def get(self, scheduler: Any) -> Any:
+        return self.record
+
+    def safe(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - the real one logs once and reads as None
+            self.faults += 1
+            return None
+
+    def sparse_served(self, record: Any, scheduler: Any, rid: str) -> None:
+        return None
+
+    def depart(self, record: Any, rid: str, reason: DepartureReason) -> None:
+        self.departed.append(rid)
+
+    def admitted(self, record: Any, scheduler: Any, before: list[str]) -> None:
+        self.admissions.append(before)
+
+
+def test_cleanup_finished_hands_an_iterator_of_ids_to_the_host_intact() -> None:
+    life = Life()
+    host_saw: list[list[str]] = []
+
+    def original(scheduler: Any, finished_ids: Iterator[str]) -> str:
+        host_saw.append(list(finished_ids))
+        return "done"
+
+    cleanup = wrapping.scheduler_cleanup_finished(life, original, {})
+    assert cleanup(object(), iter(["a", "b"])) == "done"
+    assert host_saw == [["a", "b"]], "the host must see every finished id"
+    assert life.departed == ["a", "b"]
+
+
+def test_schedule_waiting_survives_a_waiting_queue_it_cannot_read() -> None:
+    life = Life()
+
+    class Scheduler:
+        @property
+        def waiting(self) -> list[Any]:
+            raise RuntimeError("the host changed its queue type")
+
+    calls: list[str] = []
+
+    def original(scheduler: Any) -> str:
+        calls.append("scheduled")
+        return "ok"
+
+    schedule = wrapping.scheduler_schedule_waiting(life, original, {})
+    assert schedule(Scheduler()) == "ok"
+    assert calls == ["scheduled"] and life.faults == 1 and life.admissions == []
