@@ -3,7 +3,11 @@
 Every fetch, store and probe recovery makes runs under a holder id of its own
 (:meth:`ReleaseLedger.holder`); :meth:`ReleaseLedger.release` gives a holder's
 references back, and a release that raises keeps the holder for :meth:`retry`, so no
-reference the plugin took is ever forgotten while its engine lives.
+reference the plugin took is ever forgotten. A host whose releases keep failing would
+see the plugin pin more of its cache with every slice: after
+:data:`RELEASE_FAILURES_STAND_DOWN` failed releases in a row the ledger says
+:attr:`failing`, and the engine takes no further references until the pending ones are
+given back.
 
 Threads: one engine's recovery service owns its ledger; only that engine's thread calls
 it (inside an idle step, or a cancellation that holds the service's work lock).
@@ -22,6 +26,9 @@ from .outcomes import FaultKind
 
 log = logging.getLogger(__name__)
 
+#: Failed releases in a row after which the engine stops taking references.
+RELEASE_FAILURES_STAND_DOWN = 3
+
 
 class ReleaseLedger:
     """Holder ids for one engine, and the holders whose release has not gone through."""
@@ -31,11 +38,17 @@ class ReleaseLedger:
         self._count_fault = count_fault
         self._ids = itertools.count(1)
         self._unreleased: list[str] = []
+        self._failures_in_a_row = 0
 
     @property
     def pending(self) -> int:
         """Holders whose release raised and that are still to be given back."""
         return len(self._unreleased)
+
+    @property
+    def failing(self) -> bool:
+        """Releases keep failing: take no further references until :attr:`pending` is 0."""
+        return bool(self._unreleased) and self._failures_in_a_row >= RELEASE_FAILURES_STAND_DOWN
 
     def holder(self, kind: str) -> str:
         """A fresh holder id, recognisably the plugin's (:data:`~..ports.HOLDER_PREFIX`)."""
@@ -49,8 +62,11 @@ class ReleaseLedger:
         except Exception as exc:  # noqa: BLE001 - counted, and retried later
             log.error("mlx-recovery: engine %s: release(%s) failed: %r", self._engine_id, holder, exc)
             self._count_fault(FaultKind.RELEASE_ERROR)
+            self._failures_in_a_row += 1
             if holder not in self._unreleased:
                 self._unreleased.append(holder)
+            return
+        self._failures_in_a_row = 0
 
     def retry(self, cache_of: Callable[[], Any]) -> None:
         """Release again every holder whose release failed; keep those that still fail.
@@ -69,4 +85,7 @@ class ReleaseLedger:
             except Exception as exc:  # noqa: BLE001 - try again later
                 log.warning("mlx-recovery: engine %s: release(%s) failed again: %r", self._engine_id, holder, exc)
                 still.append(holder)
+                self._failures_in_a_row += 1
+            else:
+                self._failures_in_a_row = 0
         self._unreleased = still

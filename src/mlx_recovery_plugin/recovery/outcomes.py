@@ -31,6 +31,9 @@ class Refusal(str, Enum):
     KEYED_BEYOND_TOKENS = "keyed_beyond_tokens"
     # The host restores none of what recovery publishes (see :mod:`.host_refusal`).
     HOST_RESTORES_NOTHING = "host_restores_nothing"
+    # The host's release keeps failing for the plugin's holders (see :mod:`.ledger`): no
+    # further references are taken until the pending ones are given back.
+    RELEASES_FAILING = "releases_failing"
 
 
 # Refusals that are not foreground work: the live state is kept through them, so a

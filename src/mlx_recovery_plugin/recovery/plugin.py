@@ -59,6 +59,9 @@ class RecoveryPlugin:
         self._runner_factory = runner_factory or default_runner_factory
         self._lock = threading.Lock()
         self._engines: dict[str, EngineRecovery] = {}
+        # Closed services whose host refused some releases: kept, shown in the status and
+        # tried again at every close(), so nothing the plugin took is forgotten.
+        self._holding: list[EngineRecovery] = []
         self._control: ControlServer | None = None
         self._control_path = self._control_path_from(control_socket)
         self._control_failed = False
@@ -178,7 +181,7 @@ class RecoveryPlugin:
 
     def status_record(self) -> ProcessStatus:
         with self._lock:
-            services = list(self._engines.values())
+            services = list(self._engines.values()) + [s for s in self._holding if s.engine_id not in self._engines]
             control = self._control.path if self._control is not None else None
         return ProcessStatus(
             enabled=self.budget.pct > 0,
@@ -202,8 +205,10 @@ class RecoveryPlugin:
         with self._lock:
             services = list(self._engines.values())
             self._engines.clear()
+            holding, self._holding = self._holding, []
         for service in services:
             service.cancel("plugin closed", forget=True)
+        self._keep_holding(services + holding)
         self._stop_control()
 
     # -- private -----------------------------------------------------------------------
@@ -222,7 +227,21 @@ class RecoveryPlugin:
             service = self._engines.pop(engine_id, None)
         if service is not None:
             service.cancel(reason, forget=True)
+            self._keep_holding([service])
         self.registry.forget_engine(engine_id)
+
+    def _keep_holding(self, services: Iterable[EngineRecovery]) -> None:
+        """Keep the closed services that still hold host references (their releases
+        failed), and say so: the status lists them until a later close() gives them back."""
+        still = [s for s in services if s.release_pending() > 0]
+        for service in still:
+            log.error(
+                "mlx-recovery: engine %s closed with %d holder(s) whose release the host refused; "
+                "kept and tried again at the next close()", service.engine_id, service.snapshot().unreleased_holders,
+            )
+        if still:
+            with self._lock:
+                self._holding.extend(s for s in still if s not in self._holding)
 
     def _control_path_from(self, control_socket: str | bool | None) -> str | None:
         if control_socket is False:

@@ -194,6 +194,17 @@ class EngineRecovery:
                 "when it returns (%s)", self.engine_id, reason,
             )
 
+    def release_pending(self) -> int:
+        """Any thread, once the engine is closed (or from its own thread): try again to give
+        back the references whose release failed; returns how many holders still hold some.
+        Never waits for a running slice (that slice retries them itself)."""
+        if self._work.acquire(blocking=False):
+            try:
+                self._ledger.retry(lambda: self.port.prefix_cache)
+            finally:
+                self._work.release()
+        return self._ledger.pending
+
     # -- status (any thread) -------------------------------------------------------
 
     def snapshot(self) -> EngineStatus:
@@ -225,6 +236,8 @@ class EngineRecovery:
         if self.closed:
             return None
         self._ledger.retry(lambda: self.port.prefix_cache)
+        if self._ledger.failing:
+            return self._releases_failing()
         now = self._clock()
         with self._lock:
             job = self.book.next_runnable(now)
@@ -265,6 +278,23 @@ class EngineRecovery:
             more = self.book.next_runnable(now) is not None
             wait = self.book.seconds_until_unparked(now)
         return True if more else _later(wait)
+
+    def _releases_failing(self) -> float:
+        """The host keeps refusing to take its references back: hold no live state and
+        take no more references; try the releases again later, then resume."""
+        self._retire_live()
+        with self._lock:
+            first = self.last_refusal != Refusal.RELEASES_FAILING.value
+            self.last_refusal = Refusal.RELEASES_FAILING.value
+            self.counters.refused(Refusal.RELEASES_FAILING.value)
+            pending = self._ledger.pending
+        if first:
+            log.error(
+                "mlx-recovery: engine %s: the host's release keeps failing (%d holder(s) still "
+                "hold references); recovery takes no more until they are given back",
+                self.engine_id, pending,
+            )
+        return RELEASE_RETRY_S
 
     def _refused(self, reason: Refusal) -> bool | float | None:
         with self._lock:
