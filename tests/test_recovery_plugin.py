@@ -286,6 +286,24 @@ def test_admission_retires_the_live_state_before_the_request_runs(make_rig) -> N
     assert rig.calls["advance"] == 1
 
 
+def test_a_departure_the_host_lost_holds_recovery_back_only_until_the_age_bound(make_rig) -> None:
+    from mlx_recovery_plugin.events import RequestArrived
+    from mlx_recovery_plugin.recovery.registry import ARRIVAL_MAX_AGE_S
+
+    rig = make_rig()
+    rig.serve("e", random_tokens(42, 700))
+    # A request the host refused somewhere the adapter never saw: arrived, never departs.
+    rig.plugin.request_arrived(RequestArrived(engine_id="e", request_id="lost", model_id=MODEL, prompt_tokens=()))
+    rig.host.drive_idle()
+    status = rig.engine_status()
+    assert status["last_refusal"] == Refusal.FOREGROUND_ACTIVE and status["counters"]["tokens_recovered"] == 0
+    rig.clock.now += ARRIVAL_MAX_AGE_S + 1
+    for _ in range(20):
+        rig.host.drive_idle()
+    assert rig.engine_status()["counters"]["tokens_recovered"] > 0
+    assert rig.plugin.status()["registry"]["bad_input"] == {"stale_arrival": 1}
+
+
 def test_arrival_on_another_engine_refuses_the_next_slice_and_retires_the_live_state(make_rig) -> None:
     rig = make_rig(engines=("e1", "e2"))
     e1 = rig.host.engines["e1"]

@@ -11,6 +11,7 @@ from mlx_recovery_plugin.recovery.registry import (
     DEPARTURE_UNKNOWN,
     DUPLICATE_ARRIVAL,
     SECOND_DEPARTURE,
+    STALE_ARRIVAL,
     ArrivalRegistry,
 )
 
@@ -184,3 +185,21 @@ def test_arrivals_on_request_threads_and_departures_on_engine_threads_balance() 
     assert not registry.foreground_active()
     assert registry.snapshot()["arrivals"] == 2000
     assert registry.snapshot()["bad_input"] == {}
+
+
+def test_an_arrival_that_never_departs_stops_counting_after_the_age_bound(caplog) -> None:
+    now = [0.0]
+    registry = ArrivalRegistry(max_age_s=60.0, clock=lambda: now[0])
+    registry.arrived("e1", "lost")
+    now[0] = 30.0
+    registry.arrived("e1", "fresh")
+    now[0] = 61.0
+    with caplog.at_level(logging.WARNING, logger="mlx_recovery_plugin.recovery.registry"):
+        assert registry.foreground_active()  # "fresh" is 31 s old: still foreground
+    assert active_on(registry, "e1") == 1
+    assert registry.snapshot()["bad_input"] == {STALE_ARRIVAL: 1}
+    assert "'lost' on 'e1' arrived 61 s ago and never departed" in caplog.text
+    registry.departed("e1", "fresh")
+    assert not registry.foreground_active()
+    registry.departed("e1", "lost")  # the host's late word: a second departure, ignored
+    assert registry.snapshot()["bad_input"] == {STALE_ARRIVAL: 1, SECOND_DEPARTURE: 1}

@@ -54,7 +54,7 @@ class RecoveryPlugin:
     ) -> None:
         self.settings = settings if settings is not None else load_settings()
         self.clock = clock
-        self.registry = registry if registry is not None else ArrivalRegistry()
+        self.registry = registry if registry is not None else ArrivalRegistry(clock=clock)
         self.budget = Budget(self.settings.budget_pct, self.settings.budget_window_s, clock=clock)
         self._runner_factory = runner_factory or default_runner_factory
         self._lock = threading.Lock()

@@ -5,6 +5,12 @@ engine it arrived. Recovery may only run while no such request exists, so this i
 piece that runs on every request even with recovery off, and it stays a few dict
 operations under one lock.
 
+A host that loses a departure (a request refused on a path the adapter does not see)
+would keep the whole process "busy" for ever, and recovery would never run again. So an
+arrival older than ``max_age_s`` is dropped the next time anyone asks, counted as
+``stale_arrival`` and logged once: the engines' own checks (queues, busy) still keep a
+slice away from a request that is really running.
+
 Threads: arrivals may come from any thread (the host's request threads); admissions and
 departures from engine threads; readers from anywhere. All mutable state below is owned
 by ``_lock``.
@@ -14,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,6 +32,10 @@ DUPLICATE_ARRIVAL = "duplicate_arrival"
 ADMISSION_UNKNOWN = "admission_unknown"
 DEPARTURE_UNKNOWN = "departure_unknown"
 SECOND_DEPARTURE = "second_departure"
+STALE_ARRIVAL = "stale_arrival"
+
+#: Seconds after which an arrival that never departed stops counting as foreground work.
+ARRIVAL_MAX_AGE_S = 900.0
 
 # How many departed ids are remembered to tell a second departure from an unknown one.
 _RECENT_DEPARTURES = 4096
@@ -32,8 +44,14 @@ _RECENT_DEPARTURES = 4096
 class ArrivalRegistry:
     """Arrival, admission and departure of every request on every engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_age_s: float = ARRIVAL_MAX_AGE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if not max_age_s > 0:
+            raise ValueError(f"max_age_s must be positive, got {max_age_s!r}")
+        self._max_age_s = float(max_age_s)
+        self._clock = clock
         self._lock = threading.Lock()
+        # (engine id, request id) -> arrival time, oldest first.
+        self._arrived_at: dict[tuple[str, str], float] = {}
         # engine id -> request id -> admitted?
         self._live: dict[str, dict[str, bool]] = {}
         self._active = 0
@@ -54,6 +72,7 @@ class ArrivalRegistry:
             else:
                 first = False
                 requests[request_id] = False
+                self._arrived_at[key] = self._clock()
                 self._recent.pop(key, None)
                 self._active += 1
                 self._arrivals += 1
@@ -84,12 +103,8 @@ class ArrivalRegistry:
         with self._lock:
             requests = self._live.get(engine_id)
             if requests is not None and request_id in requests:
-                del requests[request_id]
-                if not requests:
-                    del self._live[engine_id]
-                self._active -= 1
+                self._remove_locked(engine_id, request_id)
                 self._departures += 1
-                self._remember_departed_locked(key)
                 return
             kind = SECOND_DEPARTURE if key in self._recent else DEPARTURE_UNKNOWN
             first = self._note_bad_locked(kind)
@@ -106,19 +121,25 @@ class ArrivalRegistry:
         down or its model was unloaded without reporting each departure). Returns how
         many were dropped."""
         with self._lock:
-            requests = self._live.pop(engine_id, {})
+            requests = list(self._live.get(engine_id, ()))
             for request_id in requests:
-                self._remember_departed_locked((engine_id, request_id))
-            self._active -= len(requests)
+                self._remove_locked(engine_id, request_id)
             self._departures += len(requests)
             return len(requests)
 
     # -- queries ---------------------------------------------------------------------
 
     def foreground_active(self) -> bool:
-        """True while any request has arrived and not departed, on any engine."""
+        """True while any request has arrived and not departed (nor gone stale), on any engine."""
         with self._lock:
-            return self._active > 0
+            stale = self._drop_stale_locked()
+            active = self._active > 0
+        for engine_id, request_id, age in stale:
+            log.warning(
+                "mlx-recovery: request %r on %r arrived %.0f s ago and never departed; it no "
+                "longer counts as foreground work (the host lost its departure?)", request_id, engine_id, age,
+            )
+        return active
 
     def arrivals(self) -> int:
         """Arrivals so far, ever increasing: a running slice that sees it change knows a
@@ -143,6 +164,30 @@ class ArrivalRegistry:
             }
 
     # -- private ---------------------------------------------------------------------
+
+    def _remove_locked(self, engine_id: str, request_id: str) -> None:
+        requests = self._live[engine_id]
+        del requests[request_id]
+        if not requests:
+            del self._live[engine_id]
+        self._arrived_at.pop((engine_id, request_id), None)
+        self._active -= 1
+        self._remember_departed_locked((engine_id, request_id))
+
+    def _drop_stale_locked(self) -> list[tuple[str, str, float]]:
+        """Drop arrivals older than the bound; those logged for the first time."""
+        if not self._arrived_at:
+            return []
+        now = self._clock()
+        dropped = []
+        while self._arrived_at:
+            (engine_id, request_id), at = next(iter(self._arrived_at.items()))
+            if now - at <= self._max_age_s:
+                break
+            self._remove_locked(engine_id, request_id)
+            if self._note_bad_locked(STALE_ARRIVAL):
+                dropped.append((engine_id, request_id, now - at))
+        return dropped
 
     def _note_bad_locked(self, kind: str) -> bool:
         """Count one bad input; True the first time this kind is seen."""
