@@ -198,6 +198,48 @@ def test_held_blocks_survive_a_foreground_request(rigs) -> None:
     assert rig.runners[0].begun == [0, 320], "the job went on from its held blocks"
 
 
+def test_held_blocks_are_given_back_when_recovery_is_switched_off(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(14, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=6.6)
+    for _ in range(3):
+        rig.engine.offer_idle_step()
+    assert rig.status()["jobs"][0]["held_tokens"] == 320
+    rig.plugin.set_budget(0.0)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["jobs"][0]["held_tokens"] == 0 and status["counters"]["held_blocks_dropped"] == 320 // 64
+
+
+def test_held_blocks_are_given_back_under_memory_pressure(loaded) -> None:
+    short = {"ok": True}
+    rig = Rig(loaded, block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    rig.plugin.gate._memory_ok = lambda: short["ok"]
+    try:
+        prompt = random_tokens(14, PROMPT)
+        rig.served(prompt, threshold=5000, prefill_s=6.6)
+        for _ in range(3):
+            rig.engine.offer_idle_step()
+        assert rig.status()["jobs"][0]["held_tokens"] == 320
+        short["ok"] = False
+        rig.engine.offer_idle_step()
+        assert rig.status()["last_refusal"] == "memory_pressure"
+        assert rig.status()["jobs"][0]["held_tokens"] == 0
+    finally:
+        rig.close()
+
+
+def test_held_blocks_past_the_byte_limit_stand_the_job_down_until_its_next_turn(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, max_held_mib=0.0)
+    prompt = random_tokens(14, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=6.6)
+    rig.engine.offer_idle_step()
+    (job,) = rig.status()["jobs"]
+    assert job["held_tokens"] == 0 and "MLX_RECOVERY_MAX_HELD_MIB" in (job["stood_down"] or "")
+    rig.served(prompt + random_tokens(16, 64), threshold=5000, prefill_s=6.6)
+    assert rig.status()["jobs"][0]["stood_down"] is None
+
+
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     prompt = random_tokens(16, PROMPT)

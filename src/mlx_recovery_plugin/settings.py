@@ -82,6 +82,10 @@ class RecoverySettings(BaseSettings):
     max_jobs_per_engine: int = Field(
         4, ge=1, le=256, description="recovery jobs kept per engine (least recent dropped)"
     )
+    max_held_mib: float = Field(
+        256.0, ge=0.0, le=1_048_576.0,
+        description="memory the publish policy may hold back in finished blocks, per engine (MiB)",
+    )
     interruptible: bool = Field(
         True, description="abandon a slice between layers when foreground work arrives"
     )

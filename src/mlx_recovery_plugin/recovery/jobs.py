@@ -175,6 +175,14 @@ class RecoveryJob:
         """The held blocks go out with a publication."""
         self.held = []
 
+    def drop_held(self) -> int:
+        """Forget the held blocks (memory is wanted back); returns how many there were."""
+        dropped, self.held = len(self.held), []
+        return dropped
+
+    def held_bytes(self) -> int:
+        return sum(block.nbytes for block in self.held)
+
     def stand_down(self, reason: str) -> bool:
         """Stop working on the job: no prefix of it would pay. True the first time."""
         first = self.stood_down is None

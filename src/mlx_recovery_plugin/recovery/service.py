@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from ..events import SparseRouteServed
 from ..ports import EnginePort
-from ..settings import RecoverySettings
+from ..settings import RecoverySettings, env_name
 from ..state import BlockState
 from .budget import Budget
 from .cancellation import Cancellation
@@ -116,6 +116,7 @@ class EngineRecovery:
             count_fault=self._count_fault,
         )
         self._refusals = HostRefusalWatch()
+        self._max_held_bytes = int(settings.max_held_mib * 2**20)
 
     @property
     def slice_tokens(self) -> int:
@@ -304,6 +305,8 @@ class EngineRecovery:
             return True  # transient: the next idle steps will pass
         if reason not in KEEP_LIVE_THROUGH:
             self._retire_live()
+        if reason in (Refusal.BUDGET_OFF, Refusal.MEMORY_PRESSURE):
+            self._drop_held_blocks(reason)
         if reason is Refusal.HOST_ERROR:
             self._count_fault(FaultKind.HOST_GONE)
             self._drop_everything(FaultKind.HOST_GONE.value)
@@ -411,11 +414,25 @@ class EngineRecovery:
             return self._publish(job, pending)
         with self._lock:
             if decision.verdict is Verdict.HOLD:
-                job.hold(pending)
-                self.counters.slices_held += 1
+                held_elsewhere = sum(j.held_bytes() for j in self.book if j is not job)
+                if held_elsewhere + sum(b.nbytes for b in pending) > self._max_held_bytes:
+                    self._stand_down_locked(
+                        job, f"holding {len(pending)} finished blocks would pass {env_name('max_held_mib')}"
+                    )
+                else:
+                    job.hold(pending)
+                    self.counters.slices_held += 1
             else:
                 self._stand_down_locked(job, decision.reason)
         return True
+
+    def _drop_held_blocks(self, reason: Refusal) -> None:
+        """Recovery is off or memory is short: give back what the policy held."""
+        with self._lock:
+            dropped = sum(job.drop_held() for job in self.book)
+            self.counters.held_blocks_dropped += dropped
+        if dropped:
+            log.info("mlx-recovery: engine %s: %d held block(s) dropped (%s)", self.engine_id, dropped, reason.value)
 
     def _stands_down(self, job: RecoveryJob) -> bool:
         """Before working on ``job``: stand it down when even its whole prefix would not pay."""

@@ -64,6 +64,7 @@ class EngineCounters:
     jobs_cancelled: int = 0
     jobs_stood_down: int = 0
     slices_held: int = 0
+    held_blocks_dropped: int = 0
     live_retired: int = 0
     ground_lost_tokens: int = 0
     slice_seconds: float = 0.0
