@@ -133,3 +133,85 @@ def test_request_on_another_engine_during_recovery_is_answered_as_on_a_cold_host
     assert host.leaked() == {}
     assert all(not r.open for r in runners)
     plugin.close()
+
+
+class StoppingLife:
+    """What the shared ``EngineCore.stop`` wrapper asks of a host lifecycle, around the
+    mock host's engine ``e`` and the real plugin manager."""
+
+    def __init__(self, host: MockHost) -> None:
+        from mlx_recovery_plugin.plugins import HookEmitter
+
+        self.emitter = HookEmitter(host.pm)
+        self.record = type("Record", (), {"engine_id": "e"})()
+
+    def get(self, scheduler: Any) -> Any:
+        return self.record
+
+    def safe(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    def detach(self, record: Any) -> bool:
+        return True
+
+
+def test_engine_stop_on_an_event_loop_keeps_the_loop_serving_and_nothing_is_stored_after_it(loaded) -> None:
+    import asyncio
+
+    from mlx_recovery_plugin.hosts import wrapping
+
+    host, plugin, _ = build(loaded, ["e"])
+    cache = host.engines["e"].prefix_cache
+    events: list[str] = []
+    in_store, let_store_finish = threading.Event(), threading.Event()
+    real_store = cache.store
+
+    def slow_store(holder: str, tokens: Any, blocks: Any) -> int:
+        if not holder.startswith("mlx-recovery:"):
+            return real_store(holder, tokens, blocks)
+        events.append("store begins")
+        in_store.set()
+        let_store_finish.wait(WAIT_S)
+        stored = real_store(holder, tokens, blocks)
+        events.append("store ends")
+        return stored
+
+    cache.store = slow_store  # type: ignore[method-assign]
+
+    async def host_stop(engine: Any) -> None:
+        events.append("host stop")
+
+    stop = wrapping.engine_stop(StoppingLife(host), host_stop, {})
+    engine = type("EngineCore", (), {"scheduler": object()})()
+
+    async def server() -> None:
+        stopped = False
+
+        async def other_streams() -> None:
+            ticks = 0
+            while not stopped:
+                ticks += 1
+                if ticks == 3:  # the loop is serving while the stop waits: let the store end
+                    events.append("loop served")
+                    let_store_finish.set()
+                await asyncio.sleep(0.005)
+
+        streams = asyncio.create_task(other_streams())
+        await stop(engine)
+        stopped = True
+        events.append("stop returned")
+        await streams
+
+    host.start()
+    try:
+        host.wait(host.submit("e", random_tokens(5, 700), sparse=True, max_tokens=2), WAIT_S)
+        assert in_store.wait(WAIT_S), "recovery never reached its store"
+        asyncio.run(server())
+    finally:
+        let_store_finish.set()
+        host.stop()
+    assert events.index("loop served") < events.index("store ends") < events.index("host stop")
+    assert events[-2:] == ["host stop", "stop returned"] and events.count("store begins") == 1
+    assert "e" not in plugin.status()["engines"]
+    assert host.leaked() == {}
+    plugin.close()

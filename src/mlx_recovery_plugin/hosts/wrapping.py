@@ -156,11 +156,17 @@ def engine_add_request(life: Any, original: Fn, originals: Mapping[str, Fn]) -> 
 
 
 def engine_stop(life: Any, original: Fn, originals: Mapping[str, Fn]) -> Fn:
+    """On the host's event loop: the shutdown hook runs on a worker thread, so the loop
+    keeps serving while plugins wait for a running slice to stop, and the host's own stop
+    starts only once they have (nothing of theirs is written to the engine after it)."""
+
     async def stop(engine: Any, *args: Any, **kwargs: Any) -> Any:
         scheduler = getattr(engine, "scheduler", None)
         record = life.get(scheduler) if scheduler is not None else None
         if record is not None and life.safe(life.detach, record):
-            life.emitter.engine_shutdown(record.engine_id)
+            import asyncio  # loaded already (this runs on its loop); kept off import time
+
+            await asyncio.to_thread(life.emitter.engine_shutdown, record.engine_id)
         return await original(engine, *args, **kwargs)
 
     return stop

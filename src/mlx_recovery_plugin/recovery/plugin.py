@@ -14,6 +14,7 @@ control thread and cancel through the service's thread-safe path. ``_engines`` a
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +33,22 @@ from .service import EngineRecovery
 from .status import ProcessStatus, export_counters
 
 log = logging.getLogger(__name__)
+
+# How long an unload or shutdown off the event loop waits for a running slice to stop
+# (a slice stops between layers; a host store in flight finishes first).
+UNLOAD_WAIT_S = 30.0
+
+
+def _on_event_loop() -> bool:
+    """This thread runs an asyncio event loop (without importing asyncio just to ask)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 class RecoveryPlugin:
     """Canonical state recovery as pluggy hook implementations.
@@ -226,7 +243,10 @@ class RecoveryPlugin:
         with self._lock:
             service = self._engines.pop(engine_id, None)
         if service is not None:
-            service.cancel(reason, forget=True)
+            # Never block a host's event loop: there the running slice is left to stop by
+            # itself (it publishes nothing once cancelled); elsewhere wait for it, so that
+            # nothing of recovery's reaches the engine after the hook returns.
+            service.cancel(reason, forget=True, wait_s=0.0 if _on_event_loop() else UNLOAD_WAIT_S)
             self._keep_holding([service])
         self.registry.forget_engine(engine_id)
 

@@ -180,11 +180,13 @@ class EngineRecovery:
 
     # -- cancellation (any thread) -------------------------------------------------
 
-    def cancel(self, reason: str, *, forget: bool = False) -> None:
+    def cancel(self, reason: str, *, forget: bool = False, wait_s: float = CANCEL_WAIT_S) -> None:
         """Drop every job and the live state at once. ``forget``: the engine is going
-        away (shutdown, unload): also drop the runner and refuse further work."""
+        away (shutdown, unload): also drop the runner and refuse further work. Waits up to
+        ``wait_s`` for a running slice; past that (or with 0) the engine thread drops its
+        state when the slice returns, and publishes nothing of it."""
         self._cancel.request(forget=forget)
-        if self._work.acquire(timeout=CANCEL_WAIT_S):
+        if self._work.acquire(timeout=wait_s) if wait_s > 0 else self._work.acquire(blocking=False):
             try:
                 self._drop_everything(reason)
             finally:
@@ -461,6 +463,8 @@ class EngineRecovery:
             )
             self._drop_job(job, FaultKind.LINEAGE_ERROR)
             return False
+        if self._cancel.stop_requested():
+            return False  # the engine is being cancelled: write nothing more to it
         try:
             cache = self.port.prefix_cache
 
