@@ -22,11 +22,11 @@ def models(loaded) -> tuple[Any, Any, Any]:
 
 
 def test_a_small_bench_injects_every_kind_and_stays_clean(models) -> None:
-    result = run_fault_bench(30, seed=0, models=models)
+    result = run_fault_bench(40, seed=0, models=models)
     assert set(result.rows) == set(FAULT_KINDS)
     for row in result.rows.values():
         assert row.injected >= 1, row
-        assert (row.leaked_refs, row.escapes, row.wrong_outputs) == (0, 0, 0), result.failures
+        assert (row.leaked_refs, row.escapes, row.wrong_outputs, row.writes_after_unload) == (0, 0, 0, 0), result.failures
         assert row.dense_restored >= 1, "some dense requests were served from a cached prefix"
     assert result.ok
     for op in faults.OPS:
@@ -117,7 +117,7 @@ def test_on_omlx_every_kind_is_injected_and_nothing_leaks_or_escapes(models) -> 
     result = run_omlx_fault_bench(20, seed=0, models=models)
     for row in result.rows.values():
         assert row.injected >= 1, row
-        assert (row.leaked_refs, row.escapes, row.wrong_outputs) == (0, 0, 0), result.failures
+        assert (row.leaked_refs, row.escapes, row.wrong_outputs, row.writes_after_unload) == (0, 0, 0, 0), result.failures
         assert row.dense_checked >= 1, row
     assert sum(r.dense_restored for r in result.rows.values()) >= 1
     assert result.ok and "all clean" in format_result(result)

@@ -1,23 +1,36 @@
 """``python tests/lab faults``: random interleavings of host events and injected faults.
 
-Each run builds a mock host with a real tiny model (one engine, block size 16-64) and a
+Each run builds a mock host with a real tiny model (block size 16-64) and a
 :class:`RecoveryPlugin` on a :class:`FakeClock`, then plays a seeded random sequence of
 sparse and dense requests, aborts, resets, shutdowns and unloads (the engine is re-added
 after each), budget changes, idle steps and clock jumps, ending with a sparse turn, idle
-time and a dense turn. One fault of one kind is armed per run in the recovery path: the
-runner raising (``runner_error``) or running out of memory (``oom``), the store raising
-(``store_error``), the probe's read-back coming back short (``probe_mismatch``), or a
-release raising once (``release_error``). After each run the plugin is closed and three
-things are counted per fault kind:
+time and a dense turn. Runs differ in more than the sequence: the ``always`` or the
+``auto`` publish policy (with a runner whose slices cost fake time, so the policy holds
+and stands down), a pool small enough that the host evicts between store, probe and the
+next turn, oMLX's paged cache or rapid-mlx's whole entries, and sometimes a second engine
+that contends for the execution claim.
+
+One fault of one kind is armed per run in the recovery path. Once: the runner raising
+(``runner_error``) or running out of memory (``oom``), the store raising
+(``store_error``), the probe's read-back coming back short (``probe_mismatch``), a release
+raising (``release_error``). Persisting: a release (``release_persistent``) or a store
+(``store_persistent``) that fails for several calls in a row, or for ever. From outside
+the slice: a request arriving in its middle (``arrival_mid_slice``), and an unload from
+another thread while the slice runs (``unload_mid_slice``) or while it publishes
+(``unload_mid_publish``). After each run the plugin is closed and counted per fault kind:
 
 * leaked block references (any reference outside the prefix index, and any holder of the
-  cache named ``mlx-recovery:*``);
+  cache named ``mlx-recovery:*``), after close;
 * exceptions into the host: any exception reaching the driver from a host call, plus
   every plugin failure the host's hook emitter had to swallow;
 * wrong outputs: a dense request whose greedy output differs from the same prompt's on a
-  fresh host that never stored anything.
+  fresh host that never stored anything;
+* writes after unload: stores of recovery's that began on an engine after its unload hook
+  had returned;
+* the longest a host thread waited in a plugin hook (idle steps, which are recovery's own
+  work, aside).
 
-All three must be 0; the command exits 1 otherwise.
+The first four must be 0; the command exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import argparse
 import logging
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +61,10 @@ from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, cached_model_d
 
 MODEL_ID = "bench-faults"
 HOLDER_PREFIX = "mlx-recovery"
-FAULT_KINDS = ("runner_error", "oom", "store_error", "probe_mismatch", "release_error")
+ONCE_KINDS = ("runner_error", "oom", "store_error", "probe_mismatch", "release_error")
+PERSISTENT_KINDS = ("release_persistent", "store_persistent")
+THREAD_KINDS = ("arrival_mid_slice", "unload_mid_slice", "unload_mid_publish")
+FAULT_KINDS = ONCE_KINDS + PERSISTENT_KINDS + THREAD_KINDS
 # Operations and their weights in the random draw.
 OPS = {
     "sparse": 3, "dense": 2, "abort": 1, "reset": 1, "shutdown": 0.5, "unload": 0.5, "budget": 1,
@@ -60,30 +77,45 @@ DRAFT_SPEC = TinyModelSpec(arch="llama", num_layers=1, seed=7)
 
 
 class Injector:
-    """One fault, armed on the ``at``-th call of ``point``; fires at most once."""
+    """One fault, armed from the ``at``-th call of ``point`` for ``times`` calls in a row
+    (None: for ever)."""
 
-    def __init__(self, kind: str, point: str, at: int) -> None:
-        self.kind, self.point, self.at = kind, point, at
+    def __init__(self, kind: str, point: str, at: int, times: int | None = 1) -> None:
+        self.kind, self.point, self.at, self.times = kind, point, at, times
         self.calls: dict[str, int] = {}
         self.fired = 0
+        #: What a fault from outside the slice does when it fires (set by the run).
+        self.action: Callable[[], None] | None = None
 
     def hit(self, point: str) -> bool:
         self.calls[point] = self.calls.get(point, 0) + 1
-        if point == self.point and self.calls[point] == self.at:
-            self.fired += 1
-            return True
-        return False
+        if point != self.point or self.calls[point] < self.at:
+            return False
+        if self.times is not None and self.fired >= self.times:
+            return False
+        self.fired += 1
+        return True
 
 
-def arm(kind: str, rng: random.Random) -> Injector:
+def arm(kind: str, rng: random.Random, *, forever: bool = True) -> Injector:
+    """``forever``: a persisting fault may never end (where the bench can tell the holders
+    the plugin still accounts for from leaked ones)."""
+    at = rng.choice((1, 1, 2))
+    if kind == "release_persistent":
+        return Injector(kind, "any_release", at, rng.choice((3, 12, None) if forever else (3, 12)))
+    if kind == "store_persistent":
+        return Injector(kind, "store", at, rng.choice((2, 6, None)))
     point = {
         "runner_error": rng.choice(("begin", "advance", "advance")),
         "oom": "advance",
         "store_error": "store",
         "probe_mismatch": "probe",
         "release_error": rng.choice(("probe_release", "release")),
+        "arrival_mid_slice": "advance",
+        "unload_mid_slice": "advance",
+        "unload_mid_publish": "store",
     }[kind]
-    return Injector(kind, point, rng.choice((1, 1, 2)))
+    return Injector(kind, point, at)
 
 
 class FaultyRunner:
@@ -94,6 +126,9 @@ class FaultyRunner:
 
     def _maybe_fail(self, point: str) -> None:
         if self.injector.hit(point):
+            if self.injector.action is not None:  # a fault from outside: the slice goes on
+                self.injector.action()
+                return
             if self.injector.kind == "oom":
                 raise MemoryError("injected out of memory")
             raise RuntimeError(f"injected runner error in {point}")
@@ -110,10 +145,35 @@ class FaultyRunner:
         self.inner.discard(live)
 
 
-def install_cache_faults(cache: Any, injector: Injector, block_size: int) -> None:
+class CostedRunner(FaultyRunner):
+    """A faulty runner whose slices cost fake time, ``a*n + b*(n*c + n*n/2)`` seconds,
+    so the ``auto`` policy learns a dense cost and holds or stands down."""
+
+    def __init__(self, inner: SliceRunner, injector: Injector, clock: FakeClock, a: float, b: float) -> None:
+        super().__init__(inner, injector)
+        self.clock, self.a, self.b = clock, a, b
+
+    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+        c, n = int(live.offset), max(0, end - int(live.offset))
+        self.clock.advance(self.a * n + self.b * (n * c + n * n / 2))
+        return super().advance(live, end, should_stop)
+
+
+class StoreLog:
+    """When each of recovery's stores on one cache was done writing (a monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.done: list[float] = []
+
+    def after(self, moment: float | None) -> int:
+        return 0 if moment is None else sum(1 for t in self.done if t > moment)
+
+
+def install_cache_faults(cache: Any, injector: Injector, block_size: int) -> StoreLog:
     """Fail the cache's recovery calls (holders ``mlx-recovery:*``); the host's own calls
-    go through untouched."""
+    go through untouched. Returns the log of recovery's stores on this cache."""
     real_fetch, real_store, real_release = cache.fetch, cache.store, cache.release
+    stores = StoreLog()
 
     def fetch(holder: str, tokens: Sequence[int]) -> FetchedPrefix:
         if holder.startswith(HOLDER_PREFIX + ":") and ":probe:" in holder and injector.hit("probe"):
@@ -121,18 +181,26 @@ def install_cache_faults(cache: Any, injector: Injector, block_size: int) -> Non
         return real_fetch(holder, tokens)
 
     def store(holder: str, tokens: Sequence[int], blocks: Sequence[Any]) -> int:
-        if holder.startswith(HOLDER_PREFIX + ":") and injector.hit("store"):
-            raise RuntimeError("injected store error")
-        return real_store(holder, tokens, blocks)
+        if not holder.startswith(HOLDER_PREFIX + ":"):
+            return real_store(holder, tokens, blocks)
+        if injector.hit("store"):
+            if injector.action is None:
+                raise RuntimeError("injected store error")
+            injector.action()  # a fault from outside, during publication: the store goes on
+        try:
+            return real_store(holder, tokens, blocks)
+        finally:
+            stores.done.append(time.monotonic())
 
     def release(holder: str) -> None:
         if holder.startswith(HOLDER_PREFIX + ":"):
             point = "probe_release" if ":probe:" in holder else "release"
-            if injector.hit(point):
+            if injector.hit(point) or injector.hit("any_release"):
                 raise RuntimeError("injected release error")
         real_release(holder)
 
     cache.fetch, cache.store, cache.release = fetch, store, release
+    return stores
 
 
 @dataclass(slots=True)
@@ -145,10 +213,15 @@ class KindRow:
     dense_checked: int = 0
     dense_restored: int = 0  # of those, served with a cached prefix
     wrong_outputs: int = 0
+    writes_after_unload: int = 0
+    longest_block_s: float = 0.0
 
     @property
     def clean(self) -> bool:
-        return self.leaked_refs == 0 and self.escapes == 0 and self.wrong_outputs == 0
+        return (
+            self.leaked_refs == 0 and self.escapes == 0 and self.wrong_outputs == 0
+            and self.writes_after_unload == 0
+        )
 
 
 @dataclass(slots=True)
@@ -173,6 +246,8 @@ class FaultBenchResult:
         row.dense_checked += run.dense_checked
         row.dense_restored += run.dense_restored
         row.wrong_outputs += run.wrong
+        row.writes_after_unload += run.writes_after_unload
+        row.longest_block_s = max(row.longest_block_s, run.longest_block_s)
         for op, n in run.ops.items():
             self.ops[op] = self.ops.get(op, 0) + n
         if run.problems and len(self.failures) < 20:
@@ -218,10 +293,16 @@ class FaultRun:
         self.step = self.block * rng.choice((2, 4))
         self.clock = FakeClock()
         pct = rng.choice((25.0, 50.0, 100.0))
+        self.policy = rng.choice(("always", "auto"))
+        # The auto policy's fake dense cost: matrix products per token, attention per token
+        # per attended position (steep enough at some draws that no prefix pays).
+        self.cost = (rng.choice((1e-4, 1e-3)), rng.choice((0.0, 1e-6, 1e-4)))
         self.settings = RecoverySettings(
-            budget_pct=pct, budget_window_s=10.0, idle_steps=rng.choice((1, 2)), publish_policy="always",
+            budget_pct=pct, budget_window_s=10.0, idle_steps=rng.choice((1, 2)), publish_policy=self.policy,
             slice_tokens=self.step, models={MODEL_ID: ModelSettings(enabled=True)},
         )
+        self.writes_after_unload = 0
+        self.longest_block_s = 0.0
         self.plugin = RecoveryPlugin(
             self.settings, clock=self.clock, runner_factory=self._runner, control_socket=False
         )
@@ -236,7 +317,13 @@ class FaultRun:
         self.ops: dict[str, int] = {}
 
     def _runner(self, handle: Any, block_size: int, interruptible: bool) -> FaultyRunner:
-        return FaultyRunner(SliceRunner(handle, block_size, interruptible=interruptible), self.injector)
+        inner = SliceRunner(handle, block_size, interruptible=interruptible)
+        if self.policy == "auto":
+            return CostedRunner(inner, self.injector, self.clock, *self.cost)
+        return FaultyRunner(inner, self.injector)
+
+    def note_block(self, seconds: float) -> None:
+        self.longest_block_s = max(self.longest_block_s, seconds)
 
     def guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """Call the host; an exception reaching here is one that escaped into the host."""
@@ -265,6 +352,15 @@ class FaultRun:
             self.problems.append(
                 f"wrong output: {len(prompt)} tokens, {cached_tokens} cached: {tuple(output)} != {expected}"
             )
+
+    def close_plugin(self) -> None:
+        """Close the plugin; while it still holds references the host refused to take
+        back, close again (each close tries them again), a bounded number of times."""
+        for _ in range(20):
+            self.guard("close", self.plugin.close)
+            engines = self.guard("status", self.plugin.status) or {"engines": {}}
+            if not any(e.get("unreleased_holders") for e in engines["engines"].values()):
+                return
 
     def set_budget(self) -> None:
         self.budget = self.rng.choice((0.0, 5.0, 25.0, 50.0, 100.0))
@@ -326,30 +422,103 @@ class Run(FaultRun):
         self.host = MockHost(
             make_plugin_manager([self.plugin, *extra_plugins], settings=self.settings, entry_points_too=False)
         )
+        self.cache_kind = rng.choice(("paged", "paged", "entries"))
+        self.pool_blocks = rng.choice((2048, 2048, 40))  # 40: the host evicts as it goes
+        self.stores: dict[str, StoreLog] = {}
+        self.unloaded_at: dict[str, float] = {}  # engine id -> when its unload hook returned
+        self.unloading: threading.Thread | None = None
+        self._time_hooks()
         self.generation = 0
         self.eid = ""
         self._add_engine()
+        # A second engine that contends for the execution claim.
+        self.other = self._new_engine("x1") if rng.random() < 0.25 else None
+        if injector.kind == "arrival_mid_slice":
+            injector.action = self._arrive_now
+        elif injector.kind in ("unload_mid_slice", "unload_mid_publish"):
+            injector.action = self._unload_from_another_thread
 
     # -- plumbing -------------------------------------------------------------------
-    def _add_engine(self) -> None:
+    def _time_hooks(self) -> None:
+        """Time every hook call on a host thread but the idle step (recovery's own work)."""
+        emitter = self.host.emitter
+        real_emit = emitter.emit
+
+        def emit(hook_name: str, **kwargs: Any) -> list[Any]:
+            began = time.perf_counter()
+            try:
+                return real_emit(hook_name, **kwargs)
+            finally:
+                if hook_name != "engine_idle_step":
+                    self.note_block(time.perf_counter() - began)
+
+        emitter.emit = emit  # type: ignore[method-assign]
+
+    def _new_engine(self, eid: str) -> str | None:
         model, tokenizer, draft = self.models
-        self.generation += 1
-        self.eid = f"e{self.generation}"
         engine = self.guard(
             "add_engine",
             lambda: self.host.add_engine(
-                self.eid, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL_ID,
+                eid, model=model, tokenizer=tokenizer, draft_model=draft, model_id=MODEL_ID,
                 block_size=self.block, prefill_step=self.step, sparse_threshold=16, clock=self.clock,
+                pool_blocks=self.pool_blocks, cache_kind=self.cache_kind,
             ),
         )
-        if engine is not None:
-            install_cache_faults(engine.prefix_cache, self.injector, self.block)
+        if engine is None:
+            return None
+        self.stores[eid] = install_cache_faults(engine.prefix_cache, self.injector, self.block)
+        return eid
+
+    def _add_engine(self) -> None:
+        self.generation += 1
+        self.eid = f"e{self.generation}"
+        self._new_engine(self.eid)
+
+    def _arrive_now(self) -> None:
+        """A foreground request arrives while the slice runs (on the engine's thread)."""
+        prompt = self.prompt(next_turn=False)
+        self.guard("submit", lambda: self.host.submit(self.eid, prompt, sparse=False, max_tokens=2))
+
+    def _unload_from_another_thread(self) -> None:
+        """A control thread unloads the engine while the slice runs or publishes; the
+        host's own unload follows once the current operation is over (:meth:`_settle`)."""
+        eid, entered = self.eid, threading.Event()
+
+        def unload() -> None:
+            entered.set()
+            began = time.perf_counter()
+            self.guard("unload hook", lambda: self.plugin.model_unloaded(eid, MODEL_ID))
+            self.note_block(time.perf_counter() - began)
+            self.unloaded_at[eid] = time.monotonic()
+
+        self.unloading = threading.Thread(target=unload, name="control")
+        self.unloading.start()
+        entered.wait(5.0)
+        time.sleep(0.005)  # let the hook reach its wait while the slice or store goes on
+
+    def _settle(self) -> None:
+        """After an operation: finish an unload a control thread started (the host's part)."""
+        thread, self.unloading = self.unloading, None
+        if thread is None:
+            return
+        thread.join(60.0)
+        if thread.is_alive():
+            self.escapes += 1
+            self.problems.append("an unload from another thread never returned")
+            return
+        self.stop_engine(unload=True)
+
+    def _engine_for_request(self) -> str:
+        if self.other is not None and self.rng.random() < 0.4:
+            return self.other
+        return self.eid
 
     # -- operations -----------------------------------------------------------------
     def serve(self, sparse: bool) -> None:
         prompt = self.prompt(next_turn=sparse)
         max_tokens = 4
-        rid = self.guard("submit", lambda: self.host.submit(self.eid, prompt, sparse=sparse, max_tokens=max_tokens))
+        eid = self._engine_for_request()
+        rid = self.guard("submit", lambda: self.host.submit(eid, prompt, sparse=sparse, max_tokens=max_tokens))
         if rid is None:
             return
         self.guard("run_until_idle", self.host.run_until_idle)
@@ -387,6 +556,7 @@ class Run(FaultRun):
     def idle(self, rounds: int) -> None:
         for _ in range(rounds):
             self.guard("drive_idle", self.host.drive_idle)
+            self._settle()
             delay = self.host.last_idle_retry_after
             if delay is None:
                 break
@@ -394,17 +564,33 @@ class Run(FaultRun):
 
     def finish(self) -> int:
         """Close the plugin; returns the leaked references."""
-        self.guard("close", self.plugin.close)
+        self._settle()
+        for eid, at in self.unloaded_at.items():
+            late = self.stores[eid].after(at)
+            if late:
+                self.writes_after_unload += late
+                self.problems.append(f"{late} store(s) on {eid} after its unload returned")
+        self.close_plugin()
+        # A holder whose release the host keeps refusing cannot be given back yet; it must
+        # still be accounted for (the engine's status lists it), never forgotten.
+        engines = self.plugin.status()["engines"]
         leaked = 0
         for eid, refs in self.host.leaked().items():
-            count = sum(sum(c.values()) for c in refs.values())
-            leaked += count
-            self.problems.append(f"leaked in {eid}: {dict(refs)}")
+            own = {h: c for h, c in refs.items() if isinstance(h, str) and h.startswith(HOLDER_PREFIX + ":")}
+            other = {h: c for h, c in refs.items() if h not in own}
+            accounted = engines.get(eid, {}).get("unreleased_holders", 0)
+            if len(own) > accounted:
+                other.update(own)  # more holders than the plugin knows of: it forgot some
+            count = sum(sum(c.values()) for c in other.values())
+            if count:
+                leaked += count
+                self.problems.append(f"leaked in {eid}: {dict(other)}")
         for eid, engine in self.host.engines.items():
             held = [h for h in engine.prefix_cache.holders if h.startswith(HOLDER_PREFIX)]
-            if held:
-                leaked += len(held)
-                self.problems.append(f"holders left in {eid}: {held}")
+            forgotten = len(held) - engines.get(eid, {}).get("unreleased_holders", 0)
+            if forgotten > 0:
+                leaked += forgotten
+                self.problems.append(f"holders left in {eid} that the plugin forgot: {held}")
         self.escapes += self.host.emitter.errors
         if self.host.emitter.errors:
             self.problems.append(f"{self.host.emitter.errors} plugin error(s) swallowed by the host's emitter")
@@ -453,15 +639,19 @@ def format_result(result: FaultBenchResult) -> str:
         f"BLAS: {describe()}",
         f"{result.runs} runs in {result.seconds:.0f} s; operations: "
         + ", ".join(f"{op} {n}" for op, n in sorted(result.ops.items())),
-        f"{'fault kind':<14} {'runs':>5} {'injected':>8} {'leaked refs':>11} {'into host':>9} "
-        f"{'dense checked':>13} {'of them cached':>14} {'wrong outputs':>13}",
+        f"{'fault kind':<19} {'runs':>5} {'injected':>8} {'leaked refs':>11} {'into host':>9} "
+        f"{'dense checked':>13} {'of them cached':>14} {'wrong outputs':>13} {'writes after unload':>19} "
+        f"{'longest host wait':>17}",
     ]
     for r in result.rows.values():
         lines.append(
-            f"{r.kind:<14} {r.runs:>5} {r.injected:>8} {r.leaked_refs:>11} {r.escapes:>9} "
-            f"{r.dense_checked:>13} {r.dense_restored:>14} {r.wrong_outputs:>13}"
+            f"{r.kind:<19} {r.runs:>5} {r.injected:>8} {r.leaked_refs:>11} {r.escapes:>9} "
+            f"{r.dense_checked:>13} {r.dense_restored:>14} {r.wrong_outputs:>13} {r.writes_after_unload:>19} "
+            f"{r.longest_block_s * 1000:>14.1f} ms"
         )
-    lines.append("all clean" if result.ok else "FAILED: leaks, exceptions into the host or wrong outputs")
+    lines.append(
+        "all clean" if result.ok else "FAILED: leaks, exceptions into the host, wrong outputs or writes after unload"
+    )
     lines.extend(result.failures)
     return "\n".join(lines)
 

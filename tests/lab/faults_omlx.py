@@ -33,9 +33,10 @@ import mlx.core as mx
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, cached_model_dir, load_tiny_model
 
 from .faults import (
-    FAULT_KINDS,
     HOLDER_PREFIX,
     MODEL_ID,
+    ONCE_KINDS,
+    PERSISTENT_KINDS,
     FaultBenchResult,
     FaultRun,
     Injector,
@@ -46,6 +47,9 @@ from .faults import (
 )
 
 SPARSE_THRESHOLD = 16
+# The kinds injected from another thread need the mock host's control over its engine
+# thread; on oMLX the faults of the recovery path, once and persisting, are injected.
+OMLX_KINDS = ONCE_KINDS + PERSISTENT_KINDS
 # Why aborts and resets never catch a sparse request after its first step here: oMLX
 # itself (no plugin attached) then never admits another request (run_until_idle gives
 # up), and after a shallow reset with a sparse request in flight a later dense request
@@ -202,7 +206,7 @@ class OmlxRun(FaultRun):
 
     def finish(self) -> int:
         """Close the plugin, then the host; returns the leaked references."""
-        self.guard("close", self.plugin.close)
+        self.close_plugin()
         host = self.host
         if host is not None:
             refs = host.outstanding_refs()
@@ -225,13 +229,13 @@ def run_omlx_fault_bench(
         raise RuntimeError(why)
     models = models or load_models()
     cold = OmlxColdReference()
-    rows = {kind: KindRow(kind) for kind in FAULT_KINDS}
+    rows = {kind: KindRow(kind) for kind in OMLX_KINDS}
     result = FaultBenchResult(rows, runs, 0.0)
     started = time.perf_counter()
     for index in range(runs):
         rng = random.Random(f"omlx:{seed}:{index}")
-        kind = FAULT_KINDS[index % len(FAULT_KINDS)]
-        injector = arm(kind, rng)
+        kind = OMLX_KINDS[index % len(OMLX_KINDS)]
+        injector = arm(kind, rng, forever=False)
         run = OmlxRun(models, cold, rng, injector, extra_plugins)
         try:
             run.play(rng.randrange(max(1, ops // 2), ops + 1))
