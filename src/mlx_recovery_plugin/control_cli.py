@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from .recovery import control_paths
 from .recovery.control import request
 from .recovery.control_paths import CONTROL_SOCKET_OFF, ControlError
-from .settings import env_name
+from .settings import env_name, validate_budget_pct
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,8 +76,10 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def budget_command(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.pct) and 0.0 <= args.pct <= 100.0):
-        print(f"mlx-recovery: budget must be in [0, 100], got {args.pct:g}", file=sys.stderr)
+    try:
+        validate_budget_pct(args.pct)
+    except ValueError as exc:
+        print(f"mlx-recovery: {exc}", file=sys.stderr)
         return 2
     response = _call(args, {"op": "budget", "pct": args.pct})
     if response is None:

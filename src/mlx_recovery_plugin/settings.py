@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -27,7 +28,24 @@ ENV_PREFIX = "MLX_RECOVERY_"
 OPENBLAS_VARIABLE = "MLX_RECOVERY_OPENBLAS"
 # Below this a window is no longer a window (and a share of it underflows): seconds.
 MIN_BUDGET_WINDOW_S = 0.1
+# The smallest share above 0 (off), percent: at the shortest window its allowance is
+# 10 us; below it an allowance underflows and the wait for the next one overflows.
+MIN_BUDGET_PCT = 0.01
 OPENBLAS_REEXEC_VARIABLE = "MLX_RECOVERY_OPENBLAS_REEXEC"
+
+
+def validate_budget_pct(pct: float) -> float:
+    """``pct`` as a float: 0 (off) or in [``MIN_BUDGET_PCT``, 100], else ValueError
+    naming the allowed values. The settings, the budget, the CLI and the admin route all
+    check a share here."""
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)):
+        raise ValueError(f"budget percentage must be a number in [0, 100], got {pct!r}")
+    value = float(pct)
+    if not math.isfinite(value) or not (value == 0.0 or MIN_BUDGET_PCT <= value <= 100.0):
+        raise ValueError(
+            f"budget percentage must be in [0, 100]: 0 (off) or at least {MIN_BUDGET_PCT:g}, got {pct!r}"
+        )
+    return value
 
 
 class AdoptMode(str, Enum):
@@ -115,6 +133,11 @@ class RecoverySettings(BaseSettings):
         default_factory=dict,
         description='JSON keyed by model id, e.g. {"org/model-1.5B": {"enabled": true}}',
     )
+
+    @field_validator("budget_pct")
+    @classmethod
+    def _check_budget_pct(cls, value: float) -> float:
+        return validate_budget_pct(value)
 
     @field_validator("models", mode="before")
     @classmethod
