@@ -47,8 +47,9 @@ def target_socket(given: str | None) -> str:
         raise ControlError(
             f"the control channel is off ({env_name('control_socket')}={configured})"
         )
-    if configured:
+    if configured and control_paths.fits(os.path.expanduser(configured)):
         return os.path.expanduser(configured)
+    # Unset, or too long for a socket address: the server fell back to a default place.
     found = control_paths.find_sockets()
     if not found:
         raise ControlError(
