@@ -156,3 +156,72 @@ def test_three_hundred_concurrent_clients_are_answered_or_told_busy_never_a_brok
     assert len(outcomes) == 300
     assert [o for o in outcomes if o not in ("ok", "busy")] == []
     assert "ok" in outcomes
+
+
+def test_a_process_really_out_of_descriptors_backs_off_and_answers_once_they_are_free(path: str) -> None:
+    """A real EMFILE (a lowered RLIMIT_NOFILE in a child process), not a patched accept:
+    the serve loop's turns are counted while the listener stays readable."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import json, os, resource, selectors, sys, time
+        from mlx_recovery_plugin.recovery.control import ControlServer
+        turns = 0
+        select = selectors.DefaultSelector.select
+        def counting(self, timeout=None):
+            global turns
+            turns += 1
+            return select(self, timeout)
+        selectors.DefaultSelector.select = counting
+        server = ControlServer(sys.argv[1], lambda: {"up": True}, dict)
+        server.start()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        print("full", flush=True)
+        sys.stdin.readline()  # the test has connected a client
+        before = turns
+        time.sleep(1.0)
+        during = turns - before
+        for fd in held:
+            os.close(fd)
+        print(json.dumps({"turns": during}), flush=True)
+        sys.stdin.readline()
+        server.stop()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(control.__file__).parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "full"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(20)
+            client.connect(path)
+            client.sendall(b'{"op": "status"}\n')
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            turns = json.loads(proc.stdout.readline())["turns"]
+            answer = client.makefile("rb").readline()
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        proc.wait(20)
+    finally:
+        proc.kill()
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        assert "Traceback" not in err, err
+    assert b'"up": true' in answer
+    # A loop that treats a readable listener as accepted turns ~100,000 times a second.
+    assert turns <= 20

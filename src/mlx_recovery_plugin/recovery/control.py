@@ -173,7 +173,26 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             super().process_request(request, client_address)
         except BaseException:
             self.handlers.release()
+            self.starved = True  # no thread to answer on: back off like a failed accept
             raise
+
+    def serve_one(self) -> None:
+        """Accept and answer one connection (the listener is readable). Not
+        ``handle_request()``: that makes a selector, a descriptor, per call, which fails
+        at EMFILE before accept is even tried."""
+        try:
+            request, client_address = self.get_request()
+        except OSError:
+            return
+        try:
+            self.process_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as socketserver does: this connection only
+            self.handle_error(request, client_address)
+            self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to the host's stderr; one debug line instead.
+        log.debug("mlx-recovery: control request failed", exc_info=True)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -206,23 +225,31 @@ def _encode(response: dict[str, Any]) -> bytes:
     return json.dumps(_plain(response)).encode() + b"\n"
 
 
-def _serve(server: _UnixServer, wake_fd: int) -> None:
+def _selectors(server: _UnixServer, wake_fd: int) -> tuple[selectors.BaseSelector, selectors.BaseSelector]:
+    """The serve loop's two selectors (listener and stop pipe; the stop pipe alone),
+    made by ``start`` so that the serve thread itself never needs a new descriptor."""
+    selector, wake_only = selectors.DefaultSelector(), selectors.DefaultSelector()
+    selector.register(server.socket, selectors.EVENT_READ)
+    selector.register(wake_fd, selectors.EVENT_READ)
+    wake_only.register(wake_fd, selectors.EVENT_READ)
+    return selector, wake_only
+
+
+def _serve(server: _UnixServer, wake_fd: int, selector: selectors.BaseSelector, wake_only: selectors.BaseSelector) -> None:
     """Accept connections until a byte arrives on ``wake_fd``: stopping is immediate,
     an idle server sleeps instead of polling, and one that cannot accept (out of
     descriptors) waits, doubling its wait, instead of spinning."""
     first, longest = ACCEPT_BACKOFF_S
     backoff = 0.0
-    with selectors.DefaultSelector() as selector, selectors.DefaultSelector() as wake_only:
-        selector.register(server.socket, selectors.EVENT_READ)
-        selector.register(wake_fd, selectors.EVENT_READ)
-        wake_only.register(wake_fd, selectors.EVENT_READ)
+    with selector, wake_only:
         while True:
             for key, _ in selector.select():
                 if key.fileobj == wake_fd:
                     return
                 try:
-                    server.handle_request()
+                    server.serve_one()
                 except Exception as exc:  # noqa: BLE001 - the channel outlives a bad accept
+                    server.starved = True
                     log.debug("mlx-recovery: control request failed: %r", exc)
             if not server.starved:
                 backoff = 0.0
@@ -296,9 +323,18 @@ class ControlServer:
                 if isinstance(exc, ControlError):
                     raise
                 raise ControlError(f"cannot serve control socket {self.path}: {exc}") from exc
-            wake = os.pipe()
+            wake: tuple[int, int] | None = None
+            try:
+                wake = os.pipe()
+                loop = _selectors(server, wake[0])
+            except OSError as exc:
+                for fd in wake or ():
+                    os.close(fd)
+                release_socket(self.path, owned)
+                server.server_close()
+                raise ControlError(f"cannot serve control socket {self.path}: {exc}") from exc
             thread = threading.Thread(
-                target=_serve, args=(server, wake[0]), name="mlx-recovery-control", daemon=True
+                target=_serve, args=(server, wake[0], *loop), name="mlx-recovery-control", daemon=True
             )
             self._server, self._thread, self._wake = server, thread, wake
             self._owned, self._pid = owned, os.getpid()
@@ -325,12 +361,14 @@ class ControlServer:
                 os.write(wake[1], b"x")  # the pipe is shared with the parent after a fork
             if thread is not None and not forked:
                 thread.join(timeout=5.0)
+            # Removed while the listener still holds its inode, so no newer socket can
+            # have been given the same inode number and be taken for ours.
+            if owned is not None and not forked:
+                release_socket(self.path, owned)
             server.server_close()
             if wake is not None:
                 os.close(wake[0])
                 os.close(wake[1])
-            if owned is not None and not forked:
-                release_socket(self.path, owned)
 
     def __enter__(self) -> ControlServer:
         self.start()

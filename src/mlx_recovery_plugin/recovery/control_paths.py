@@ -175,9 +175,13 @@ def claim_socket(bound: str, path: str) -> SocketId:
         clear_stale_socket(path)
         try:
             os.link(bound, path)
+            os.unlink(bound)
         except FileExistsError:  # put there by a process that does not take the lock
             raise ControlError(f"{path} is already served by another process") from None
-        os.unlink(bound)
+        except OSError:
+            # A file system without hard links to sockets: the path was checked absent
+            # under the lock, so a rename takes it just as safely from cooperating servers.
+            os.rename(bound, path)
         st = os.lstat(path)
         return (st.st_dev, st.st_ino)
 
