@@ -86,6 +86,14 @@ def test_the_demo_on_omlx_without_omlx_installed_is_refused_before_the_run(
     assert "--host omlx needs oMLX installed" in capsys.readouterr().err
 
 
+def test_the_omlx_fault_bench_without_omlx_is_an_error_not_a_skip(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "omlx", None)
+    assert cli.main(["bench", "faults", "--host", "omlx", "--runs", "1", "--no-openblas"]) == 2
+    assert "--host omlx needs oMLX installed" in capsys.readouterr().err
+
+
 def test_good_options_reach_the_command(no_work: None, tmp_path: Path) -> None:
     with pytest.raises(WorkStarted):
         cli.main(["demo", "--quick", "--no-openblas", "--json", str(tmp_path / "r.json")])

@@ -8,8 +8,8 @@ handler; each check here looks at an option by its name, whichever command has i
 - ``--plot FILE``: matplotlib is importable, and FILE's directory exists;
 - ``--json FILE`` (where it names a file): FILE's directory exists;
 - ``--model``, ``--draft``, ``--model-dir``: the directory exists;
-- ``--host``: the host the command would drive is installed (demo: the ``omlx``
-  package; ``bench server``: the server's console script).
+- ``--host``: the host the command would drive is installed (``demo`` and ``bench
+  faults``: the ``omlx`` package; ``bench server``: the server's console script).
 
 Nothing here imports a host or MLX; it runs on the main thread before anything starts.
 """
@@ -71,7 +71,7 @@ def _model_dirs(args: argparse.Namespace) -> list[str]:
 def _host(args: argparse.Namespace) -> list[str]:
     host = getattr(args, "host", None)
     command = (getattr(args, "command", None), getattr(args, "suite", None))
-    if command == ("demo", None) and host == "omlx" and not module_available("omlx"):
+    if command in (("demo", None), ("bench", "faults")) and host == "omlx" and not module_available("omlx"):
         return ["--host omlx needs oMLX installed (pip install flyto-mlx; see tests/omlx-requirements.txt)"]
     if command == ("bench", "server") and isinstance(host, str):
         from .bench.server.hosts import HOSTS
