@@ -135,3 +135,12 @@ def test_on_omlx_the_checks_count_wrong_outputs(models, monkeypatch) -> None:
     monkeypatch.setattr(faults_omlx.OmlxColdReference, "__call__", off_by_one)
     result = faults_omlx.run_omlx_fault_bench(2, seed=3, models=models)
     assert sum(r.wrong_outputs for r in result.rows.values()) > 0 and not result.ok
+
+
+def test_the_control_channel_under_load_fails_no_client_and_backs_off() -> None:
+    from lab.faults_control import format_control_load, run_control_load
+
+    result = run_control_load(60, deadline_s=0.5, starve_s=0.3)
+    assert result.failed == [] and result.answered + result.busy == 60 and result.answered > 0
+    assert result.answered_past_slow_s is not None and result.answered_after_starving
+    assert result.ok, format_control_load(result)

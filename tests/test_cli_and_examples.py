@@ -86,6 +86,11 @@ def test_the_demo_and_every_model_bench_re_run_under_openblas_before_any_work(
         raise _Reexec(argv)
 
     monkeypatch.setattr(openblas, "reexec_with_openblas", reexec)
+    # The option check comes first (tests/test_cli_options.py); a server that is not
+    # installed here would stop `bench server` there.
+    from mlx_recovery_plugin.bench.server import process
+
+    monkeypatch.setattr(process, "host_command", lambda host: [host.command])
     from lab.cli import main as lab_main
 
     run = (lambda: lab_main(argv[1:])) if argv[0] == "lab" else (lambda: main(argv))

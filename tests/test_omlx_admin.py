@@ -66,7 +66,7 @@ def test_an_admin_reads_the_status_and_changes_the_budget_in_place(
     assert admin.get(f"{ROUTE_PREFIX}/status").json()["budget"]["pct"] == 12.5
 
 
-@pytest.mark.parametrize("body", [{"pct": 101}, {"pct": -1}, {"pct": "lots"}, {}])
+@pytest.mark.parametrize("body", [{"pct": 101}, {"pct": -1}, {"pct": "lots"}, {}, {"pct": 1e-320}, {"pct": 0.001}])
 def test_an_invalid_budget_is_rejected_and_nothing_changes(
     client: TestClient, plugin: RecoveryPlugin, body: dict
 ) -> None:

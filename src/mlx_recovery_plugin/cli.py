@@ -3,7 +3,9 @@
 Subcommands live next to what they drive; each module offers ``add_parser(subparsers)``
 and sets ``func`` on its parser. A module whose optional third-party dependency is
 missing costs only its own subcommand (and says so with ``-v``); any other import error,
-a bug in this package included, is raised.
+a bug in this package included, is raised. What the chosen options need (matplotlib for
+``--plot``, a model directory, an installed host) is checked before the command starts
+(:mod:`.cli_checks`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from .cli_checks import check_options
 from .settings import SettingsError, describe_settings, load_settings
 
 COMMAND_MODULES = (
@@ -85,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    problems = check_options(args)  # before any work: a run must not end on a bad option
+    if problems:
+        for problem in problems:
+            print(f"mlx-recovery: {problem}", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from .recovery import control_paths
 from .recovery.control import request
 from .recovery.control_paths import CONTROL_SOCKET_OFF, ControlError
-from .settings import env_name
+from .settings import env_name, validate_budget_pct
 
 
 def add_parser(subparsers: Any) -> None:
@@ -48,8 +47,9 @@ def target_socket(given: str | None) -> str:
         raise ControlError(
             f"the control channel is off ({env_name('control_socket')}={configured})"
         )
-    if configured:
+    if configured and control_paths.fits(os.path.expanduser(configured)):
         return os.path.expanduser(configured)
+    # Unset, or too long for a socket address: the server fell back to a default place.
     found = control_paths.find_sockets()
     if not found:
         raise ControlError(
@@ -77,8 +77,10 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def budget_command(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.pct) and 0.0 <= args.pct <= 100.0):
-        print(f"mlx-recovery: budget must be in [0, 100], got {args.pct:g}", file=sys.stderr)
+    try:
+        validate_budget_pct(args.pct)
+    except ValueError as exc:
+        print(f"mlx-recovery: {exc}", file=sys.stderr)
         return 2
     response = _call(args, {"op": "budget", "pct": args.pct})
     if response is None:

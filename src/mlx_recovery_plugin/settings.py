@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -27,7 +29,24 @@ ENV_PREFIX = "MLX_RECOVERY_"
 OPENBLAS_VARIABLE = "MLX_RECOVERY_OPENBLAS"
 # Below this a window is no longer a window (and a share of it underflows): seconds.
 MIN_BUDGET_WINDOW_S = 0.1
+# The smallest share above 0 (off), percent: at the shortest window its allowance is
+# 10 us; below it an allowance underflows and the wait for the next one overflows.
+MIN_BUDGET_PCT = 0.01
 OPENBLAS_REEXEC_VARIABLE = "MLX_RECOVERY_OPENBLAS_REEXEC"
+
+
+def validate_budget_pct(pct: float) -> float:
+    """``pct`` as a float: 0 (off) or in [``MIN_BUDGET_PCT``, 100], else ValueError
+    naming the allowed values. The settings, the budget, the CLI and the admin route all
+    check a share here."""
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)):
+        raise ValueError(f"budget percentage must be a number in [0, 100], got {pct!r}")
+    value = float(pct)
+    if not math.isfinite(value) or not (value == 0.0 or MIN_BUDGET_PCT <= value <= 100.0):
+        raise ValueError(
+            f"budget percentage must be in [0, 100]: 0 (off) or at least {MIN_BUDGET_PCT:g}, got {pct!r}"
+        )
+    return value
 
 
 class AdoptMode(str, Enum):
@@ -120,6 +139,11 @@ class RecoverySettings(BaseSettings):
         description='JSON keyed by model id, e.g. {"org/model-1.5B": {"enabled": true}}',
     )
 
+    @field_validator("budget_pct")
+    @classmethod
+    def _check_budget_pct(cls, value: float) -> float:
+        return validate_budget_pct(value)
+
     @field_validator("models", mode="before")
     @classmethod
     def _parse_models(cls, value: Any) -> Any:
@@ -180,7 +204,7 @@ def load_settings() -> RecoverySettings:
 
     Raises one :class:`SettingsError` that lists every bad variable.
     """
-    _refuse_duplicate_model_keys()
+    _check_models_json()
     try:
         settings = RecoverySettings()
     except PydanticSettingsError as exc:
@@ -188,6 +212,8 @@ def load_settings() -> RecoverySettings:
         raise SettingsError(f"{env_name('models')}: not valid JSON ({exc.__cause__ or exc})") from None
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from None
+    except RecursionError:
+        raise SettingsError(_too_deep()) from None
     _warn_unknown_variables()
     return settings
 
@@ -198,34 +224,57 @@ def known_variables() -> frozenset[str]:
     return frozenset(fields | {OPENBLAS_VARIABLE, OPENBLAS_REEXEC_VARIABLE})
 
 
+# Names already warned about: every plugin loads the settings, the warning is said once.
+_warned: set[str] = set()
+
+
 def _warn_unknown_variables() -> None:
     """A misspelt variable would be ignored without a word: say so, with the closest name."""
     known = known_variables()
     for name in sorted(k.upper() for k in os.environ if k.upper().startswith(ENV_PREFIX)):
-        if name not in known:
+        if name not in known and name not in _warned:
+            _warned.add(name)
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             log.warning("mlx-recovery: %s is not a setting and is ignored%s", name, hint)
 
 
-def _refuse_duplicate_model_keys() -> None:
-    """JSON objects keep the last of two equal keys; for model opt-ins that hides a typo."""
+def repeated_keys(pairs: list[tuple[str, Any]]) -> list[str]:
+    """The keys that occur more than once among ``pairs``, sorted (linear in their count)."""
+    counts = Counter(k for k, _ in pairs)
+    return sorted(k for k, n in counts.items() if n > 1)
+
+
+def _too_deep() -> str:
+    return f"{env_name('models')}: nested too deeply to read (it is an object of model id -> object of settings)"
+
+
+def _check_models_json() -> None:
+    """Checks pydantic cannot make on ``MLX_RECOVERY_MODELS``: JSON objects keep the last
+    of two equal keys, which for model opt-ins hides a typo; ``null`` or a list would
+    quietly mean "no models"; nesting deep enough to exhaust the parser's recursion."""
     name = env_name("models")
     raw = next((v for k, v in os.environ.items() if k.upper() == name), "").strip()
     if not raw:
         return
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        repeated = repeated_keys(pairs)
         if repeated:
             raise SettingsError(f"{name}: duplicate keys {', '.join(map(repr, repeated))}")
         return dict(pairs)
 
     try:
-        json.loads(raw, object_pairs_hook=no_duplicates)
+        value = json.loads(raw, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError:
         return  # reported as invalid JSON by the settings themselves
+    except RecursionError:
+        raise SettingsError(_too_deep()) from None
+    if not isinstance(value, dict):
+        raise SettingsError(
+            f"{name}: must be a JSON object keyed by model id, such as "
+            f'{{"org/model": {{"enabled": true}}}}; got {type(value).__name__ if value is not None else "null"}'
+        )
 
 
 def _describe(exc: ValidationError) -> str:

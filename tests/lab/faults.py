@@ -30,7 +30,9 @@ another thread while the slice runs (``unload_mid_slice``) or while it publishes
 * the longest a host thread waited in a plugin hook (idle steps, which are recovery's own
   work, aside).
 
-The first four must be 0; the command exits 1 otherwise.
+The first four must be 0; the command exits 1 otherwise. Then the control channel is put
+under load (:mod:`.faults_control`): no client may fail, slow clients may not hold it
+past the request deadline, and an accept out of descriptors must back off.
 """
 
 from __future__ import annotations
@@ -675,7 +677,14 @@ def _run(args: argparse.Namespace) -> int:
         runs = args.runs if args.runs is not None else 2000
         result = run_fault_bench(runs, seed=args.seed, ops=args.ops, progress=progress)
     print(format_result(result))
-    return 0 if result.ok else 1
+    ok = result.ok
+    if args.control_clients > 0:
+        from .faults_control import format_control_load, run_control_load
+
+        control = run_control_load(args.control_clients)
+        print(format_control_load(control))
+        ok = ok and control.ok
+    return 0 if ok else 1
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -691,5 +700,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", type=int, default=8, help="most random operations per run before its closing turn")
+    p.add_argument(
+        "--control-clients", type=int, default=300,
+        help="then the control channel under load: this many clients at once, slow clients and an "
+        "accept out of descriptors (tests/lab/faults_control.py); 0 skips it",
+    )
     add_openblas_flag(p)
     p.set_defaults(func=_run)

@@ -28,10 +28,15 @@ from typing import Any, ClassVar
 
 from ..events import IdleStep
 
+# The longest delay an idle step is put off by: a hook that asks for more (a bug, a tiny
+# budget share) is asked again after this, and no timer is armed with an interval its
+# thread cannot wait for (threading.Timer dies on one that overflows).
+MAX_IDLE_DELAY_S = 3600.0
+
 
 def parse_results(results: Iterable[Any]) -> tuple[bool, list[float]]:
     """What the idle-step hook implementations asked for: another step now, and the
-    positive finite delays (seconds) the others asked for."""
+    positive finite delays (seconds, at most ``MAX_IDLE_DELAY_S``) the others asked for."""
     again_now = False
     delays: list[float] = []
     for result in results:
@@ -43,7 +48,7 @@ def parse_results(results: Iterable[Any]) -> tuple[bool, list[float]]:
             and math.isfinite(result)
             and result > 0
         ):
-            delays.append(float(result))
+            delays.append(min(float(result), MAX_IDLE_DELAY_S))
     return again_now, delays
 
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 ENABLE_VARIABLE = "MLX_RECOVERY_ENABLE"
 # The spellings pydantic reads as true, so the .pth line and the settings agree.
 TRUE_VALUES = frozenset({"1", "true", "yes", "on", "t", "y"})
+FALSE_VALUES = frozenset({"", "0", "false", "no", "off", "f", "n"})
 
 
 def _log() -> logging.Logger:
@@ -154,6 +155,7 @@ def install(environ: Mapping[str, str] | None = None) -> PostImportFinder | None
     global _finder
     try:
         if not enabled(environ):
+            _say_if_misspelt(os.environ if environ is None else environ)
             return None
         if _finder is not None:
             return _finder
@@ -174,6 +176,18 @@ def install(environ: Mapping[str, str] | None = None) -> PostImportFinder | None
     except Exception as exc:  # noqa: BLE001 - never break the interpreter's start
         _log().warning("mlx-recovery: start-up hook not installed: %r", exc)
         return None
+
+
+def _say_if_misspelt(env: Mapping[str, str]) -> None:
+    # The .pth line runs install() for every value that is not plainly false, so a value
+    # that is neither (``2``, ``maybe``) is said on stderr instead of meaning "off" silently;
+    # logging is not set up this early in a host's start.
+    raw = env.get(ENABLE_VARIABLE, "")
+    if raw.strip().lower() not in FALSE_VALUES:
+        sys.stderr.write(
+            f"mlx-recovery: {ENABLE_VARIABLE}={raw!r} is neither true ({', '.join(sorted(TRUE_VALUES))}) "
+            f"nor false ({', '.join(sorted(FALSE_VALUES - {''}))}); recovery is not attached\n"
+        )
 
 
 def watch_adapters(finder: PostImportFinder, names: Iterable[str]) -> None:

@@ -26,23 +26,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..settings import MIN_BUDGET_WINDOW_S
+from ..settings import MIN_BUDGET_WINDOW_S, validate_budget_pct
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
 _MIN_WAIT_S = 1e-6
+# The longest wait :meth:`Budget.seconds_until_available` asks for while the budget is on:
+# a caller asks again after it, so an overshoot that takes longer to pay off (a huge slice
+# at a small share) never becomes a timer no thread can hold.
+MAX_WAIT_S = 3600.0
 
-
-def validate_pct(pct: float) -> float:
-    """``pct`` as a float in [0, 100], or ValueError naming the allowed range."""
-    if isinstance(pct, bool) or not isinstance(pct, (int, float)):
-        raise ValueError(f"budget percentage must be a number in [0, 100], got {pct!r}")
-    value = float(pct)
-    if not math.isfinite(value) or not 0.0 <= value <= 100.0:
-        raise ValueError(f"budget percentage must be in [0, 100], got {pct!r}")
-    return value
+validate_pct = validate_budget_pct
 
 
 class Budget:
@@ -107,7 +103,7 @@ class Budget:
 
     def seconds_until_available(self) -> float:
         """0 when a slice may start now; ``math.inf`` when the budget is off; otherwise
-        the seconds until a window with allowance left begins."""
+        the seconds until a window with allowance left begins, at most ``MAX_WAIT_S``."""
         with self._lock:
             now = self._clock()
             self._roll_locked(now)
@@ -120,9 +116,10 @@ class Budget:
             overshoot = max(0.0, self._used - self._allowance(self._pct_in_window))
             # Window k after this one starts with overshoot - (k - 1) * allowance charged;
             # the first with allowance left is the one where that falls below an allowance.
-            paying = math.floor(overshoot / next_allowance) if next_allowance > 0 else 0
+            windows = overshoot / next_allowance if next_allowance > 0 else 0.0
+            wait = to_next + min(windows, MAX_WAIT_S / self._window_s) // 1 * self._window_s
             # Never 0 while unavailable, even where float rounding puts "now" on a boundary.
-            return max(to_next + paying * self._window_s, _MIN_WAIT_S)
+            return min(max(wait, _MIN_WAIT_S), MAX_WAIT_S)
 
     def remaining_s(self) -> float:
         """Allowance left in the current window, in seconds (0 when spent or off)."""

@@ -10,12 +10,21 @@ back. ``{"op": "status"}`` -> ``{"ok": true, "status": {...}}``; ``{"op": "budge
 "pct": 12.5}`` -> ``{"ok": true, "budget": {...}}``; anything wrong -> ``{"ok": false,
 "error": "..."}``. The server never lets a bad request or a failing callback end it.
 
+Limits: at most ``MAX_HANDLERS`` connections are answered at once (more are told "busy"
+at once), each request must arrive whole within ``REQUEST_DEADLINE_S`` however its bytes
+trickle in, and a listener that cannot accept (out of descriptors) backs off instead of
+spinning. Start-up and removal of the socket file are owned (see :mod:`.control_paths`):
+of two servers on one path exactly one serves it, a server removes only its own socket,
+and a forked child's ``stop`` leaves the parent's alone.
+
 Threads: the server runs on its own daemon thread and answers each connection on a short
 lived thread; ``status`` and ``set_budget`` are called there, so they must be thread-safe.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -37,17 +46,32 @@ from .control_paths import (
     CONTROL_SOCKET_OFF,
     MAX_SOCKET_PATH,
     ControlError,
+    SocketId,
     check_owner_only_dir,
+    claim_socket,
     clear_stale_socket,
     default_socket_path,
+    directory_lock,
+    fits,
+    release_socket,
     resolve_socket_path,
+    sweep_stale_sockets,
+    temp_socket_path,
 )
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
-CONNECTION_TIMEOUT_S = 5.0
+# A request must arrive whole within this, however its bytes trickle in: a per-read
+# timeout let a client sending one byte every few seconds hold a handler for ever.
+REQUEST_DEADLINE_S = 5.0
+# Writing the answer: a client that does not read cannot hold a handler either.
+WRITE_TIMEOUT_S = 2.0
 MAX_HANDLERS = 16
+# An accept that fails for want of descriptors or memory leaves the listener readable;
+# retrying at once would spin the control thread against the engine's. Back off, doubling.
+ACCEPT_BACKOFF_S = (0.05, 1.0)
+_STARVED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 OPS = ("status", "budget")
 
 StatusFn = Callable[[], dict[str, Any]]
@@ -69,26 +93,52 @@ def _peer_uid(sock: socket.socket) -> int | None:
     return int(uid)
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    timeout = CONNECTION_TIMEOUT_S
+class _Handler(socketserver.BaseRequestHandler):
     server: _UnixServer
 
     def handle(self) -> None:
+        sock: socket.socket = self.request
         try:
-            peer = _peer_uid(self.connection)
+            peer = _peer_uid(sock)
             if peer is not None and peer not in (os.getuid(), 0):
                 response = _error(f"uid {peer} may not use this channel")
             else:
-                line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
-                if not line.strip():
+                line = _read_line(sock, self.server.control.request_deadline_s)
+                if isinstance(line, dict):
+                    response = line
+                elif not line.strip():
                     return  # a liveness probe, or a client that said nothing
-                if len(line) > MAX_REQUEST_BYTES:
-                    response = _error(f"request longer than {MAX_REQUEST_BYTES} bytes")
                 else:
                     response = self.server.control.answer_line(line)
-            self.wfile.write(_encode(response))
+            sock.settimeout(WRITE_TIMEOUT_S)
+            sock.sendall(_encode(response))
         except OSError:
-            pass  # the client went away or stalled; nothing to answer
+            pass  # the client went away or does not read; nothing to answer
+
+
+def _read_line(sock: socket.socket, deadline_s: float) -> bytes | dict[str, Any]:
+    """One request line, or the error answer when it is too long or not whole within
+    ``deadline_s`` of the connection."""
+    deadline = time.monotonic() + deadline_s
+    data = bytearray()
+    while b"\n" not in data:
+        if len(data) > MAX_REQUEST_BYTES:
+            return _error(f"request longer than {MAX_REQUEST_BYTES} bytes")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return _error(f"request not complete within its {deadline_s:g} s deadline")
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            return _error(f"request not complete within its {deadline_s:g} s deadline")
+        if not chunk:
+            break
+        data += chunk
+    line = bytes(data).split(b"\n", 1)[0]
+    if len(line) > MAX_REQUEST_BYTES:
+        return _error(f"request longer than {MAX_REQUEST_BYTES} bytes")
+    return line
 
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -99,6 +149,17 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     # At most MAX_HANDLERS connections are answered at once; more are refused at once, so
     # slow or silent clients cannot pile up threads in the host's process.
     handlers: threading.BoundedSemaphore
+    # The last accept failed for want of descriptors or memory (the serve thread's own).
+    starved = False
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            conn = self.socket.accept()
+        except OSError as exc:
+            self.starved = exc.errno in _STARVED
+            raise
+        self.starved = False
+        return conn
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.handlers.acquire(blocking=False):
@@ -112,7 +173,26 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             super().process_request(request, client_address)
         except BaseException:
             self.handlers.release()
+            self.starved = True  # no thread to answer on: back off like a failed accept
             raise
+
+    def serve_one(self) -> None:
+        """Accept and answer one connection (the listener is readable). Not
+        ``handle_request()``: that makes a selector, a descriptor, per call, which fails
+        at EMFILE before accept is even tried."""
+        try:
+            request, client_address = self.get_request()
+        except OSError:
+            return
+        try:
+            self.process_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as socketserver does: this connection only
+            self.handle_error(request, client_address)
+            self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to the host's stderr; one debug line instead.
+        log.debug("mlx-recovery: control request failed", exc_info=True)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -145,31 +225,61 @@ def _encode(response: dict[str, Any]) -> bytes:
     return json.dumps(_plain(response)).encode() + b"\n"
 
 
-def _serve(server: _UnixServer, wake_fd: int) -> None:
+def _selectors(server: _UnixServer, wake_fd: int) -> tuple[selectors.BaseSelector, selectors.BaseSelector]:
+    """The serve loop's two selectors (listener and stop pipe; the stop pipe alone),
+    made by ``start`` so that the serve thread itself never needs a new descriptor."""
+    selector, wake_only = selectors.DefaultSelector(), selectors.DefaultSelector()
+    selector.register(server.socket, selectors.EVENT_READ)
+    selector.register(wake_fd, selectors.EVENT_READ)
+    wake_only.register(wake_fd, selectors.EVENT_READ)
+    return selector, wake_only
+
+
+def _serve(server: _UnixServer, wake_fd: int, selector: selectors.BaseSelector, wake_only: selectors.BaseSelector) -> None:
     """Accept connections until a byte arrives on ``wake_fd``: stopping is immediate,
-    and an idle server sleeps instead of polling."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(server.socket, selectors.EVENT_READ)
-        selector.register(wake_fd, selectors.EVENT_READ)
+    an idle server sleeps instead of polling, and one that cannot accept (out of
+    descriptors) waits, doubling its wait, instead of spinning."""
+    first, longest = ACCEPT_BACKOFF_S
+    backoff = 0.0
+    with selector, wake_only:
         while True:
             for key, _ in selector.select():
                 if key.fileobj == wake_fd:
                     return
-                server.handle_request()
+                try:
+                    server.serve_one()
+                except Exception as exc:  # noqa: BLE001 - the channel outlives a bad accept
+                    server.starved = True
+                    log.debug("mlx-recovery: control request failed: %r", exc)
+            if not server.starved:
+                backoff = 0.0
+                continue
+            backoff = min(max(backoff * 2, first), longest)
+            if wake_only.select(backoff):
+                return
 
 
 class ControlServer:
     """Serves ``status`` and ``budget`` requests on a unix socket at ``path``."""
 
-    def __init__(self, path: str, status: StatusFn, set_budget: SetBudgetFn) -> None:
+    def __init__(
+        self,
+        path: str,
+        status: StatusFn,
+        set_budget: SetBudgetFn,
+        *,
+        request_deadline_s: float = REQUEST_DEADLINE_S,
+    ) -> None:
         self.path = path
+        self.request_deadline_s = request_deadline_s
         self._status = status
         self._set_budget = set_budget
-        self._lock = threading.Lock()  # owns _server, _thread, _wake, _inode
+        self._lock = threading.Lock()  # owns _server, _thread, _wake, _owned, _pid
         self._server: _UnixServer | None = None
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None  # (read end, write end) of the stop pipe
-        self._inode: int | None = None
+        self._owned: SocketId | None = None  # the socket file this server put at path
+        self._pid = 0  # the process that started it: a fork's child owns nothing
 
     @property
     def running(self) -> bool:
@@ -180,51 +290,85 @@ class ControlServer:
         """Create the socket (0600, in a 0700 directory) and serve it on a daemon thread.
         Raises :class:`ControlError` when the path is unsafe or already served."""
         with self._lock:
-            if self._server is not None:
+            if self._server is not None and self._pid == os.getpid():
                 return
-            if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
+            if not fits(self.path):
                 raise ControlError(
                     f"socket path {self.path} is longer than {MAX_SOCKET_PATH} bytes; "
                     f"choose a shorter {env_name('control_socket')}"
                 )
-            check_owner_only_dir(Path(self.path).parent)
-            clear_stale_socket(self.path)
-            server = _UnixServer(self.path, _Handler, bind_and_activate=False)
+            directory = Path(self.path).parent
+            check_owner_only_dir(directory)
+            sweep_stale_sockets(directory)
+            temp = temp_socket_path(self.path)
+            bound = temp if fits(temp) else self.path
+            server = _UnixServer(bound, _Handler, bind_and_activate=False)
             server.control = self
             server.handlers = threading.BoundedSemaphore(MAX_HANDLERS)
             try:
-                server.server_bind()
-                os.chmod(self.path, 0o600)
-                self._inode = os.lstat(self.path).st_ino
-                server.server_activate()
-            except OSError as exc:
+                if bound == self.path:  # no room for a private name: bind in place, locked
+                    with directory_lock(directory):
+                        clear_stale_socket(self.path)
+                        self._bind_and_listen(server, bound)
+                        st = os.lstat(bound)
+                        owned = (st.st_dev, st.st_ino)
+                else:
+                    self._bind_and_listen(server, bound)
+                    owned = claim_socket(bound, self.path)
+            except (ControlError, OSError) as exc:
                 server.server_close()
-                self._unlink_own_locked()
+                if bound != self.path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(bound)
+                if isinstance(exc, ControlError):
+                    raise
                 raise ControlError(f"cannot serve control socket {self.path}: {exc}") from exc
-            wake = os.pipe()
+            wake: tuple[int, int] | None = None
+            try:
+                wake = os.pipe()
+                loop = _selectors(server, wake[0])
+            except OSError as exc:
+                for fd in wake or ():
+                    os.close(fd)
+                release_socket(self.path, owned)
+                server.server_close()
+                raise ControlError(f"cannot serve control socket {self.path}: {exc}") from exc
             thread = threading.Thread(
-                target=_serve, args=(server, wake[0]), name="mlx-recovery-control", daemon=True
+                target=_serve, args=(server, wake[0], *loop), name="mlx-recovery-control", daemon=True
             )
             self._server, self._thread, self._wake = server, thread, wake
+            self._owned, self._pid = owned, os.getpid()
             thread.start()
         log.info("mlx-recovery: control socket at %s", self.path)
 
+    @staticmethod
+    def _bind_and_listen(server: _UnixServer, bound: str) -> None:
+        server.server_bind()
+        os.chmod(bound, 0o600)
+        server.server_activate()
+
     def stop(self) -> None:
-        """Stop serving and remove the socket file. Idempotent."""
+        """Stop serving and remove the socket file, if it is still this server's.
+        Idempotent. In a forked child it only closes the child's copies: the socket,
+        its file and the serving thread are the parent's."""
         with self._lock:
             server, thread, wake = self._server, self._thread, self._wake
-            self._server, self._thread, self._wake = None, None, None
+            owned, forked = self._owned, self._pid != os.getpid()
+            self._server, self._thread, self._wake, self._owned = None, None, None, None
             if server is None:
                 return
-            if wake is not None:
-                os.write(wake[1], b"x")
-            if thread is not None:
+            if wake is not None and not forked:
+                os.write(wake[1], b"x")  # the pipe is shared with the parent after a fork
+            if thread is not None and not forked:
                 thread.join(timeout=5.0)
+            # Removed while the listener still holds its inode, so no newer socket can
+            # have been given the same inode number and be taken for ours.
+            if owned is not None and not forked:
+                release_socket(self.path, owned)
             server.server_close()
             if wake is not None:
                 os.close(wake[0])
                 os.close(wake[1])
-            self._unlink_own_locked()
 
     def __enter__(self) -> ControlServer:
         self.start()
@@ -260,16 +404,6 @@ class ControlServer:
                 return _error(f"budget change failed: {type(exc).__name__}: {exc}")
         return _error(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
 
-    def _unlink_own_locked(self) -> None:
-        # Remove the file only if it is still the socket this server bound.
-        try:
-            if self._inode is not None and os.lstat(self.path).st_ino == self._inode:
-                os.unlink(self.path)
-        except OSError:
-            pass
-        self._inode = None
-
-
 # -- client ------------------------------------------------------------------------------
 
 
@@ -295,7 +429,10 @@ def request(path: str, payload: dict[str, Any], timeout: float = 5.0) -> dict[st
         sock.settimeout(timeout)
         try:
             _connect(sock, path, timeout)
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a busy server answers and hangs up before reading: read its answer
             chunks = []
             while True:
                 chunk = sock.recv(65536)
@@ -314,6 +451,8 @@ def request(path: str, payload: dict[str, Any], timeout: float = 5.0) -> dict[st
             raise ControlError(f"{path} did not answer within {timeout:g} s") from None
         except OSError as exc:
             raise ControlError(f"cannot talk to {path}: {exc}") from None
+    if not chunks:
+        raise ControlError(f"{path} closed the connection without answering")
     try:
         response = json.loads(b"".join(chunks))
     except ValueError:

@@ -13,6 +13,7 @@ control thread and cancel through the service's thread-safe path. ``_engines`` a
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 import threading
@@ -23,7 +24,7 @@ from typing import Any
 from ..events import IdleStep, RequestAdmitted, RequestArrived, RequestDeparted, SparseRouteServed
 from ..hookspecs import hookimpl
 from ..ports import EnginePort
-from ..settings import RecoverySettings, load_settings
+from ..settings import RecoverySettings, env_name, load_settings
 from .budget import Budget
 from .control import CONTROL_SOCKET_OFF, ControlError, ControlServer, resolve_socket_path
 from .live import RunnerFactory, default_runner_factory
@@ -82,6 +83,8 @@ class RecoveryPlugin:
         self._control: ControlServer | None = None
         self._control_path = self._control_path_from(control_socket)
         self._control_failed = False
+        # Engines whose model is not opted in while others are: said once, shown in status.
+        self._not_opted_in: dict[str, dict[str, str | None]] = {}
         self.gate = RunnableGate(
             self.registry,
             self.budget,
@@ -127,6 +130,7 @@ class RecoveryPlugin:
             self._engines[service.engine_id] = service
         if old is not None:
             old.cancel("engine attached again", forget=True)
+        self._note_opt_in(service.engine_id, service.model_id)
         # Served whatever the budget, so `mlx-recovery budget 10` can turn recovery on.
         self._start_control()
 
@@ -211,7 +215,10 @@ class RecoveryPlugin:
     def status(self) -> dict[str, Any]:
         """Per process and per engine: jobs, committed and live boundaries, debt, tokens
         recovered, slices, budget share used, last refusal, faults by kind."""
-        return self.status_record().as_dict()
+        status = self.status_record().as_dict()
+        with self._lock:
+            status["not_opted_in"] = {k: dict(v) for k, v in self._not_opted_in.items()}
+        return status
 
     def counters(self) -> dict[str, float]:
         """Flat counters and gauges for a host's metrics exporter."""
@@ -242,6 +249,7 @@ class RecoveryPlugin:
     def _forget(self, engine_id: str, reason: str) -> None:
         with self._lock:
             service = self._engines.pop(engine_id, None)
+            self._not_opted_in.pop(engine_id, None)
         if service is not None:
             # Never block a host's event loop: there the running slice is left to stop by
             # itself (it publishes nothing once cancelled); elsewhere wait for it, so that
@@ -262,6 +270,23 @@ class RecoveryPlugin:
         if still:
             with self._lock:
                 self._holding.extend(s for s in still if s not in self._holding)
+
+    def _note_opt_in(self, engine_id: str, model_id: str) -> None:
+        """A model id that misses its opt-in by a typo (``"Tiny"`` for ``"tiny"``) would
+        leave recovery silently off for it: say so once per engine, with the near match."""
+        opted = [name for name, entry in self.settings.models.items() if entry.enabled]
+        if not opted or self.settings.for_model(model_id).enabled:
+            return
+        with self._lock:
+            if engine_id in self._not_opted_in:
+                return
+            near = _near_match(model_id, opted)
+            self._not_opted_in[engine_id] = {"model_id": model_id, "near_match": near}
+        log.warning(
+            "mlx-recovery: engine %s serves model %r, which is not opted in (%s opts in %s)%s",
+            engine_id, model_id, env_name("models"), ", ".join(map(repr, sorted(opted)[:5])),
+            f"; did you mean {near!r}?" if near else "",
+        )
 
     def _control_path_from(self, control_socket: str | bool | None) -> str | None:
         if control_socket is False:
@@ -296,3 +321,13 @@ class RecoveryPlugin:
             server, self._control = self._control, None
         if server is not None:
             server.stop()
+
+
+def _near_match(model_id: str, names: list[str]) -> str | None:
+    """The opted-in name ``model_id`` most likely meant: equal but for case, else the
+    closest by :mod:`difflib`."""
+    folded = [n for n in names if n.casefold() == model_id.casefold()]
+    if folded:
+        return folded[0]
+    close = difflib.get_close_matches(model_id, names, n=1, cutoff=0.6)
+    return close[0] if close else None

@@ -25,9 +25,15 @@ from mlx_recovery_plugin.testing.host import MockHost
 B = 32
 STEP = 64
 MODEL = "tiny"
-SETTINGS = RecoverySettings(
-    budget_pct=50.0, idle_steps=2, max_jobs_per_engine=2, models={MODEL: {"enabled": True}}
-)
+
+
+def machine_settings() -> RecoverySettings:
+    # Built when a machine starts, not at import: settings read the environment too, and
+    # a bad variable must not break importing the CLI that would report it.
+    return RecoverySettings(
+        budget_pct=50.0, idle_steps=2, max_jobs_per_engine=2, models={MODEL: {"enabled": True}}
+    )
+
 FAULTS = ("advance_error", "advance_oom", "store_error", "probe_short", "fetch_error")
 MAX_PROMPT = 420
 
@@ -85,13 +91,14 @@ class RecoveryMachine(RuleBasedStateMachine):
         self.lineage_violations: list[tuple[int, ...]] = []
         self.arrive_during_slice: str | None = None
         self.seeds = itertools.count(1000)
+        settings = machine_settings()
         self.plugin = RecoveryPlugin(
-            SETTINGS,
+            settings,
             clock=lambda: self.now,
             runner_factory=lambda h, b, i: Runner(SliceRunner(h, b, interruptible=i), self),
             control_socket=False,
         )
-        self.host = MockHost(make_plugin_manager([self.plugin], settings=SETTINGS, entry_points_too=False))
+        self.host = MockHost(make_plugin_manager([self.plugin], settings=settings, entry_points_too=False))
         self.models = (model, tokenizer, draft)
         self.engine_ids = ["a0", "b0"]
         self.generation = itertools.count(1)

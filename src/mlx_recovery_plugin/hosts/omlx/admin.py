@@ -22,9 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pluggy
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from ...recovery.control import SetBudgetFn, StatusFn
+from ...settings import validate_budget_pct
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ class BudgetChange(BaseModel):
     """Body of ``POST .../budget``."""
 
     pct: float = Field(..., ge=0.0, le=100.0, description="share of wall time; 0 = off")
+
+    @field_validator("pct")
+    @classmethod
+    def _check_pct(cls, value: float) -> float:
+        return validate_budget_pct(value)  # the settings' and the CLI's own check
 
 
 def recovery_controls(pm: pluggy.PluginManager) -> tuple[StatusFn, SetBudgetFn] | None:

@@ -1,0 +1,87 @@
+"""What a command's options need, checked before the command does any work.
+
+A bench that runs ten minutes and then finds ``--plot`` cannot be drawn, or a demo that
+builds models and then finds ``--host omlx`` is not installed, wastes the run. ``main``
+calls :func:`check_options` on the parsed arguments of every command, before its
+handler; each check here looks at an option by its name, whichever command has it:
+
+- ``--plot FILE``: matplotlib is importable, and FILE's directory exists;
+- ``--json FILE`` (where it names a file): FILE's directory exists;
+- ``--model``, ``--draft``, ``--model-dir``: the directory exists;
+- ``--host``: the host the command would drive is installed (``demo`` and ``bench
+  faults``: the ``omlx`` package; ``bench server``: the server's console script).
+
+Nothing here imports a host or MLX; it runs on the main thread before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+PLOT_HINT = "--plot needs matplotlib: pip install 'mlx-recovery-plugin[plot]'"
+MODEL_DIR_OPTIONS = {"model": "--model", "draft": "--draft", "model_dir": "--model-dir"}
+OUTPUT_OPTIONS = {"plot": "--plot", "json": "--json"}
+
+
+def module_available(name: str) -> bool:
+    """``name`` can be imported here (found, not imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_options(args: argparse.Namespace) -> list[str]:
+    """Every problem with the options of ``args``, each one line naming its option."""
+    problems: list[str] = []
+    for check in CHECKS:
+        problems.extend(check(args))
+    return problems
+
+
+def _plot(args: argparse.Namespace) -> list[str]:
+    if isinstance(getattr(args, "plot", None), str) and not module_available("matplotlib"):
+        return [PLOT_HINT]
+    return []
+
+
+def _outputs(args: argparse.Namespace) -> list[str]:
+    problems = []
+    for attr, flag in OUTPUT_OPTIONS.items():
+        value = getattr(args, attr, None)
+        if isinstance(value, str) and value:
+            parent = Path(value).expanduser().parent
+            if not parent.is_dir():
+                problems.append(f"{flag} {value}: directory {parent} does not exist")
+    return problems
+
+
+def _model_dirs(args: argparse.Namespace) -> list[str]:
+    problems = []
+    for attr, flag in MODEL_DIR_OPTIONS.items():
+        value = getattr(args, attr, None)
+        if isinstance(value, (str, Path)) and str(value) and not Path(value).expanduser().is_dir():
+            problems.append(f"{flag} {value}: no such directory")
+    return problems
+
+
+def _host(args: argparse.Namespace) -> list[str]:
+    host = getattr(args, "host", None)
+    command = (getattr(args, "command", None), getattr(args, "suite", None))
+    if command in (("demo", None), ("bench", "faults")) and host == "omlx" and not module_available("omlx"):
+        return ["--host omlx needs oMLX installed (pip install flyto-mlx; see tests/omlx-requirements.txt)"]
+    if command == ("bench", "server") and isinstance(host, str):
+        from .bench.server.hosts import HOSTS
+        from .bench.server.process import host_command
+
+        try:
+            host_command(HOSTS[host])
+        except Exception as exc:  # noqa: BLE001 - said as the option's problem
+            return [f"--host {host}: {exc}"]
+    return []
+
+
+CHECKS: tuple[Callable[[argparse.Namespace], list[str]], ...] = (_plot, _outputs, _model_dirs, _host)
