@@ -24,7 +24,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(server_run, "run_bench", started)
     monkeypatch.setattr(demo_run, "run_demo", started)
-    monkeypatch.setattr("mlx_recovery_plugin.runner.blas.reexec_with_openblas", lambda: None)
+    monkeypatch.setattr("mlx_recovery_plugin.bench.openblas.reexec_with_openblas", lambda: None)
 
 
 @pytest.fixture
