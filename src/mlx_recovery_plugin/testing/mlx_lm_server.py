@@ -110,31 +110,32 @@ def serving(
 ) -> Iterator[ServerClient]:
     """``python -m mlx_lm.server`` on a free port; the process is killed on exit."""
     port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(
-        [python, "-m", "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), *extra_args],
-        env=dict(env), stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
-    client = ServerClient(f"http://127.0.0.1:{port}", str(model_dir))
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"mlx_lm.server exited with {process.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if client.get("/health").get("status") == "ok":
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"mlx_lm.server did not answer /health within {start_timeout} s")
-            time.sleep(0.2)
-        yield client
-    finally:
-        process.kill()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = subprocess.Popen(
+            [python, "-m", "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1",
+             "--port", str(port), *extra_args],
+            env=dict(env), stdout=log, stderr=subprocess.STDOUT, text=True,
+        )
+        client = ServerClient(f"http://127.0.0.1:{port}", str(model_dir))
         try:
-            process.wait(timeout=30)
+            _wait_healthy(process, client, log, start_timeout)
+            yield client
         finally:
-            log.close()
+            process.kill()
+            process.wait(timeout=30)
+
+
+def _wait_healthy(process: subprocess.Popen[str], client: ServerClient, log: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"mlx_lm.server exited with {process.returncode}:\n{log.read()[-3000:]}")
+        try:
+            if client.get("/health").get("status") == "ok":
+                return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"mlx_lm.server did not answer /health within {timeout} s")
+        time.sleep(0.2)

@@ -41,6 +41,7 @@ from ..instrumenting import HostInstrumentor, parse_version
 if TYPE_CHECKING:
     import pluggy
 
+    from ...settings import RecoverySettings
     from .adoption import Adoption
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,10 @@ class MlxLmInstrumentor(HostInstrumentor):
     name = "mlx_lm"
     trigger_module = SERVER_MODULE
 
-    def __init__(self) -> None:
+    def __init__(self, settings: RecoverySettings | None = None) -> None:
+        """``settings`` default to the environment's, read at ``instrument()``."""
         super().__init__()
+        self._settings = settings
         self._life: Adoption | None = None
         self._server_wrapped = False
         self._pm: pluggy.PluginManager | None = None
@@ -139,7 +142,7 @@ class MlxLmInstrumentor(HostInstrumentor):
             from ...settings import load_settings
             from .adoption import Adoption
 
-            settings = load_settings()
+            settings = self._settings if self._settings is not None else load_settings()
             self._pm = pm if pm is not None else get_plugin_manager()
             self._life = Adoption(
                 HookEmitter(self._pm), active=settings.adopter_enabled,
