@@ -54,6 +54,7 @@ class Adoption:
         self._counts: dict[str, int] = {
             "prompts_cut": 0, "cuts": 0, "lookups_asked": 0, "adopted": 0,
             "adopted_tokens": 0, "host_tokens_over": 0, "faults": 0,
+            "host_cache_bytes": 0, "host_cache_entries": 0,
         }
 
     # -- _tokenize -------------------------------------------------------------------
@@ -99,6 +100,9 @@ class Adoption:
         if not self.active:
             return
         try:
+            with self._lock:  # the host's own memory, beside the snapshots', for the status
+                self._counts["host_cache_bytes"] = int(prompt_cache.nbytes)
+                self._counts["host_cache_entries"] = len(prompt_cache)
             self.snapshots.attach(model, tokens)
             self.snapshots.prune(lambda m, prefix: _extended(prompt_cache._trie, m, prefix))
         except Exception as exc:  # noqa: BLE001

@@ -44,6 +44,7 @@ class Snapshot:
 @dataclass(slots=True)
 class _Counters:
     stored: int = 0
+    bytes_stored: int = 0
     already_held: int = 0
     over_budget: int = 0
     evicted_budget: int = 0
@@ -97,6 +98,7 @@ class SnapshotStore:
             self._snapshots[key] = Snapshot(len(key[1]), layers, nbytes)
             self._bytes += nbytes
             self._counters.stored += 1
+            self._counters.bytes_stored += nbytes
             return SnapshotOutcome.STORED
 
     def get(self, model: Hashable, tokens: Sequence[int]) -> Snapshot | None:
@@ -154,6 +156,7 @@ class SnapshotStore:
                 "snapshots": len(self._snapshots),
                 "pending": sum(not s.attached for s in self._snapshots.values()),
                 "stored": c.stored,
+                "bytes_stored": c.bytes_stored,
                 "already_held": c.already_held,
                 "over_budget": c.over_budget,
                 "evicted_budget": c.evicted_budget,
