@@ -137,6 +137,19 @@ def floor_tokens(requests: Sequence[Request], block: int) -> int:
     return total
 
 
+def kv_bytes_per_token(model: str) -> int:
+    """Bytes per token of the model's trimmable (attention) layers, measured on 256 tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from ..testing.tiny_model import load_tiny_model
+
+    loaded, _ = load_tiny_model(cached_model_dir(SPECS[model]))
+    cache = make_prompt_cache(loaded)
+    mx.eval(loaded(mx.array([[1] * 256]), cache=cache))
+    return int(sum(c.nbytes for c in cache if type(c) is KVCache)) // 256
+
+
 def _sdk_sender(client: ServerClient) -> Callable[[Request], Reply] | None:
     try:
         import openai
@@ -145,6 +158,7 @@ def _sdk_sender(client: ServerClient) -> Callable[[Request], Reply] | None:
     sdk = openai.OpenAI(base_url=client.base_url + "/v1", api_key="none", timeout=client.timeout)
 
     def send(request: Request) -> Reply:
+        out: Any
         if request.kind == "completion":
             out = sdk.completions.create(model=client.model, prompt=request.prompt, max_tokens=6, temperature=0.0)
             text = out.choices[0].text
@@ -203,8 +217,17 @@ class MlxLmBenchReport:
     doc_chars: int
     rows: list[Row] = field(default_factory=list)
 
+    kv_per_token: dict[str, int] = field(default_factory=dict)
+
     def row(self, model: str, workload: str, arm: str) -> Row | None:
         return next((r for r in self.rows if (r.model, r.workload, r.arm) == (model, workload, arm)), None)
+
+    def memory_ratio(self, model: str, workload: str) -> float | None:
+        """Snapshot bytes stored over the KV bytes of the tokens they let the host skip."""
+        off, on = self.row(model, workload, "without"), self.row(model, workload, "with")
+        if off is None or on is None or on.cached_tokens <= off.cached_tokens:
+            return None
+        return on.snapshot_bytes_stored / ((on.cached_tokens - off.cached_tokens) * self.kv_per_token[model])
 
     @property
     def goals_met(self) -> bool:
@@ -216,14 +239,17 @@ class MlxLmBenchReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "host": "mlx_lm", "block_tokens": self.block, "doc_chars": self.doc_chars,
-            "rows": [{**asdict(r), "share_of_floor": round(r.share_of_floor, 3)} for r in self.rows],
+            "kv_bytes_per_token": self.kv_per_token,
+            "rows": [{**asdict(r), "share_of_floor": round(r.share_of_floor, 3),
+                      "snapshot_over_kv_saved": self.memory_ratio(r.model, r.workload) if r.arm == "with" else None}
+                     for r in self.rows],
             "goals_met": self.goals_met,
         }
 
     def format_table(self) -> str:
         lines = [f"mlx_lm.server, cached tokens per workload (block {self.block}; floor = block floor of the shared prefix)",
                  f"  {'workload':<19} {'model':<9} {'without':>8} {'with':>8} {'floor':>8} {'share':>6} "
-                 f"{'snap held':>10} {'snap stored':>11} {'cuts':>5}"]
+                 f"{'snap held':>10} {'snap stored':>11} {'cuts':>5} {'snap/KV saved':>13}"]
         for name in dict.fromkeys(r.workload for r in self.rows):
             for model in dict.fromkeys(r.model for r in self.rows):
                 off, on = self.row(model, name, "without"), self.row(model, name, "with")
@@ -232,11 +258,15 @@ class MlxLmBenchReport:
                 lines.append(
                     f"  {name:<19} {model:<9} {off.cached_tokens if off else '-':>8} {on.cached_tokens:>8} "
                     f"{on.floor_tokens:>8} {on.share_of_floor:>6.0%} {on.snapshot_bytes:>10} "
-                    f"{on.snapshot_bytes_stored:>11} {on.cuts:>5}"
+                    f"{on.snapshot_bytes_stored:>11} {on.cuts:>5} {_ratio(self.memory_ratio(model, name)):>13}"
                 )
         lines.append(f"goals met (with >= {GOAL_SHARE:.0%} of floor on partial workloads; reference: 0 cuts, 0 bytes): "
                      f"{'yes' if self.goals_met else 'no'}")
         return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def run_mlx_lm_bench(
@@ -245,6 +275,7 @@ def run_mlx_lm_bench(
 ) -> MlxLmBenchReport:
     report = MlxLmBenchReport(block, doc_chars)
     for model in models:
+        report.kv_per_token[model] = kv_bytes_per_token(model)
         arms = ("with",) if model == "reference" else ARMS
         for arm in arms:
             report.rows += run_arm(model, arm, block=block, doc_chars=doc_chars, requests=requests, seed=seed,

@@ -48,11 +48,13 @@ class ServerClient:
             self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read())
+            out: dict[str, Any] = json.loads(response.read())
+            return out
 
     def get(self, path: str) -> dict[str, Any]:
         with urllib.request.urlopen(self.base_url + path, timeout=self.timeout) as response:
-            return json.loads(response.read())
+            out: dict[str, Any] = json.loads(response.read())
+            return out
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int = 8) -> Reply:
         out = self._post("/v1/chat/completions", {
@@ -66,10 +68,11 @@ class ServerClient:
     def complete(self, prompt: str, max_tokens: int = 8) -> Reply:
         out = self._post("/v1/completions", {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": 1,
+            "logprobs": True,
         })
         choice = out["choices"][0]
-        return _reply(choice["text"], out["usage"], list((choice.get("logprobs") or {}).get("token_logprobs") or []))
+        content = (choice.get("logprobs") or {}).get("content") or []
+        return _reply(choice["text"], out["usage"], [c["logprob"] for c in content])
 
     def status(self) -> dict[str, Any] | None:
         """The adapter's status, or None where the plugin is not attached."""

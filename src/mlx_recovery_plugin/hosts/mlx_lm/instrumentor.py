@@ -132,7 +132,7 @@ class MlxLmInstrumentor(HostInstrumentor):
             cache_module = importlib.import_module(CACHE_MODULE)
             from .wrappers import CACHE_FACTORIES
 
-            cls = getattr(cache_module, "LRUPromptCache", None)
+            cls: type | None = getattr(cache_module, "LRUPromptCache", None)
             missing = [f"LRUPromptCache.{n}" for _, n in CACHE_FACTORIES if not hasattr(cls, n)]
             missing += [n for n in CACHE_NEEDS if not hasattr(cache_module, n)]
             if missing:
@@ -149,6 +149,7 @@ class MlxLmInstrumentor(HostInstrumentor):
                 block_size=settings.mlxlm_block_tokens, budget_bytes=settings.mlxlm_snapshot_bytes,
             )
             self.version = version
+            assert cls is not None  # checked with the other needs above
             classes = {"LRUPromptCache": cls}
             factories: dict[tuple[str, str], Any] = dict(CACHE_FACTORIES)
             module = server_module()
@@ -180,10 +181,10 @@ class MlxLmInstrumentor(HostInstrumentor):
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
         """What the start-up hook waits for: the server module, or under ``-m`` (where it
         runs as ``__main__``) the prompt cache module it imports first."""
-        hooks: dict[str, Callable[[Any], None]] = {SERVER_MODULE: lambda _module: self.instrument()}
-        if main_is_server():
-            hooks = {CACHE_MODULE: lambda _module: self.instrument()}
-        return hooks
+        def attach(_module: Any) -> None:
+            self.instrument()
+
+        return {CACHE_MODULE if main_is_server() else SERVER_MODULE: attach}
 
     # -- status ----------------------------------------------------------------------
 
