@@ -22,11 +22,12 @@ from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.mlx_lm_models import SPECS
 from mlx_recovery_plugin.testing.tiny_model import cached_model_dir, load_tiny_model
 
-pytestmark = pytest.mark.skipif(not version_supported(mlx_lm_version()), reason="mlx-lm version the adapter refuses")
+if not version_supported(mlx_lm_version()):
+    pytest.skip("an mlx-lm version the adapter refuses", allow_module_level=True)
 
-from mlx_lm.models.cache import LRUPromptCache  # noqa: E402
+from mlx_lm.models.cache import LRUPromptCache
 
-from mlx_lm_driver import cold, serve  # noqa: E402
+from mlx_lm_driver import cold, serve
 
 BLOCK = 32
 
@@ -177,6 +178,21 @@ def test_a_prompt_extending_a_stored_entry_is_left_to_the_host(
     assert attached[1].status()["lookups"] == 0
 
 
+def test_a_divergence_within_a_block_past_a_stored_segment_end_is_left_to_the_host(
+    models: dict[str, Any], attached: tuple[MlxLmInstrumentor, AdopterPlugin]
+) -> None:
+    # The server stored the prompt less its last token (99) and the finished answer (104);
+    # a prompt diverging at 103 floors to 96, below what the server reuses itself.
+    model = models["hybrid"]
+    first = tokens(100, seed=24)
+    lru = LRUPromptCache(max_size=10)
+    done = serve(lru, model, first)
+    other = (done.tokens[3] + 1) % 256
+    served = serve(lru, model, first + done.tokens[:3] + [other] + tokens(20, seed=25))
+    assert served.cached_tokens == 99
+    assert attached[0].status()["lookups_asked"] == 0 and attached[1].status()["lookups"] == 0
+
+
 def test_a_prompt_shorter_than_a_block_is_not_cut(
     models: dict[str, Any], attached: tuple[MlxLmInstrumentor, AdopterPlugin]
 ) -> None:
@@ -198,6 +214,26 @@ def test_snapshots_go_with_the_last_entry_that_extends_them(
     after = attached[0].status()["snapshots"]
     assert after["dropped_orphan"] == 3
     assert after["snapshots"] == 1  # only the new prompt's own cut at 32
+
+
+def test_a_fault_in_the_adapter_leaves_the_server_its_own_answer(
+    models: dict[str, Any], attached: tuple[MlxLmInstrumentor, AdopterPlugin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    instrumentor, adopter = attached
+    model = models["hybrid"]
+    shared = tokens(150, seed=21)
+    lru = LRUPromptCache(max_size=10)
+    serve(lru, model, shared + tokens(30, seed=22))
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(instrumentor._life.snapshots, "boundaries", broken)
+    second = shared + tokens(30, seed=23)
+    served = serve(lru, model, second)
+    assert served.cached_tokens == 0 and served.tokens == cold(model, second).tokens
+    assert instrumentor.status()["faults"] == 1
+    assert adopter.status()["lookups"] == 0
 
 
 def test_the_budget_evicts_the_least_recently_used_snapshot(models: dict[str, Any]) -> None:
