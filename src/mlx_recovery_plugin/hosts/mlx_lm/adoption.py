@@ -95,7 +95,21 @@ class Adoption:
         except Exception as exc:  # noqa: BLE001 - a lost snapshot costs reuse only
             self._fault("snapshot", exc)
 
-    def inserted(self, prompt_cache: Any, model: Hashable, tokens: Sequence[int]) -> None:
+    def entries(self, prompt_cache: Any) -> dict[int, tuple[Hashable, list[int]]] | None:
+        """Before the host's insert: its entries by the identity of their token lists
+        (cheap: no token is read), so :meth:`inserted` can tell which ones it evicted."""
+        if not self.active or not len(self.snapshots):
+            return None  # nothing to prune (always so for a pure-attention model)
+        try:
+            return {id(t): (m, t) for lru in prompt_cache._lru._lrus.values() for m, t in lru}
+        except Exception as exc:  # noqa: BLE001
+            self._fault("entries", exc)
+            return None
+
+    def inserted(
+        self, prompt_cache: Any, model: Hashable, tokens: Sequence[int],
+        before: dict[int, tuple[Hashable, list[int]]] | None,
+    ) -> None:
         """After the host stored an entry (and maybe evicted others)."""
         if not self.active:
             return
@@ -103,8 +117,17 @@ class Adoption:
             with self._lock:  # the host's own memory, beside the snapshots', for the status
                 self._counts["host_cache_bytes"] = int(prompt_cache.nbytes)
                 self._counts["host_cache_entries"] = len(prompt_cache)
-            self.snapshots.attach(model, tokens)
-            self.snapshots.prune(lambda m, prefix: _extended(prompt_cache._trie, m, prefix))
+            if not len(self.snapshots):
+                return
+            self.snapshots.attach(model, tokens, self.block_size)
+            if before:
+                kept = {id(t) for lru in prompt_cache._lru._lrus.values() for _, t in lru}
+                for key in before.keys() - kept:
+                    gone_model, gone_tokens = before[key]
+                    self.snapshots.prune_under(
+                        gone_model, gone_tokens, self.block_size,
+                        lambda m, prefix: _extended(prompt_cache._trie, m, prefix),
+                    )
         except Exception as exc:  # noqa: BLE001
             self._fault("prune", exc)
 

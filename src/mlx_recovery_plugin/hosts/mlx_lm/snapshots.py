@@ -5,7 +5,8 @@ A snapshot is keyed by the model key and the exact token prefix it was taken aft
 tokens. It is *pending* from the moment it is taken until the host stores an entry that
 extends it (the request's own segment end or finish), then *attached*; an attached
 snapshot whose last extending entry the host evicted is dropped (it can no longer be
-combined with any entry's trimmable layers). The store keeps at most ``budget_bytes``
+combined with any entry's trimmable layers; checked for the evicted entry's own block
+boundaries only, so the cost follows what the host evicted, not what is held). The store keeps at most ``budget_bytes``
 and evicts the least recently used snapshot first.
 
 Threads: mlx-lm's server calls its prompt cache only from its generation thread, so
@@ -125,22 +126,31 @@ class SnapshotStore:
         with self._lock:
             self._counters.used += 1
 
-    def attach(self, model: Hashable, tokens: Sequence[int]) -> None:
-        """The host stored an entry of ``tokens``: every snapshot it extends is attached."""
+    def attach(self, model: Hashable, tokens: Sequence[int], block: int) -> None:
+        """The host stored an entry of ``tokens``: the snapshots it extends are attached.
+        Snapshots lie on block multiples, so only those keys are looked at."""
         with self._lock:
-            for (snap_model, prefix), snapshot in self._snapshots.items():
-                if (not snapshot.attached and snap_model == model and len(prefix) < len(tokens)
-                        and tuple(tokens[: len(prefix)]) == prefix):
+            for boundary in range(block, len(tokens), block):
+                snapshot = self._snapshots.get((model, tuple(tokens[:boundary])))
+                if snapshot is not None:
                     snapshot.attached = True
 
-    def prune(self, extended: Callable[[Hashable, tuple[int, ...]], bool]) -> int:
-        """Drop attached snapshots that no stored entry extends any more; how many."""
+    def prune_under(
+        self, model: Hashable, tokens: Sequence[int], block: int,
+        extended: Callable[[Hashable, tuple[int, ...]], bool],
+    ) -> int:
+        """The host evicted the entry of ``tokens``: drop the attached snapshots on its
+        block multiples that no stored entry extends any more; how many."""
+        dropped = 0
         with self._lock:
-            orphans = [key for key, snap in self._snapshots.items() if snap.attached and not extended(*key)]
-            for key in orphans:
-                self._bytes -= self._snapshots.pop(key).nbytes
-            self._counters.dropped_orphan += len(orphans)
-            return len(orphans)
+            for boundary in range(block, len(tokens), block):
+                key = (model, tuple(tokens[:boundary]))
+                snapshot = self._snapshots.get(key)
+                if snapshot is not None and snapshot.attached and not extended(*key):
+                    self._bytes -= self._snapshots.pop(key).nbytes
+                    dropped += 1
+            self._counters.dropped_orphan += dropped
+        return dropped
 
     def clear(self) -> None:
         with self._lock:

@@ -32,8 +32,9 @@ def _insert_cache(life: Any, original: Any, _originals: Mapping[str, Any]) -> An
         if life.active and life.takes_insert(cache_type):
             life.snapshot(model, tokens, prompt_cache)
             return None
+        before = life.entries(self)
         result = original(self, model, tokens, prompt_cache, cache_type=cache_type)
-        life.inserted(self, model, tokens)
+        life.inserted(self, model, tokens, before)
         return result
 
     return wrapper
