@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -160,6 +161,25 @@ def test_pure_attention_segments_are_the_hosts_own_object(
     original = server.ResponseGenerator._tokenize.__wrapped__
     assert attached[0]._life.segments(generator, result) is result
     assert original is not server.ResponseGenerator._tokenize
+
+
+def test_a_request_the_server_cannot_batch_is_not_cut(
+    models: dict[str, Any], attached: tuple[MlxLmInstrumentor, AdopterPlugin]
+) -> None:
+    from mlx_lm import server
+
+    prompt = tokens(200, seed=26)
+    generator = SimpleNamespace(
+        model_provider=SimpleNamespace(model=models["hybrid"], model_key=("k",)),
+        _is_batchable=lambda args: args.seed is None,
+    )
+    tokenizer = SimpleNamespace(encode=lambda _text: list(prompt))
+    request = SimpleNamespace(request_type="text", prompt="")
+    seeded = server.ResponseGenerator._tokenize(generator, tokenizer, request, SimpleNamespace(seed=1))
+    batched = server.ResponseGenerator._tokenize(generator, tokenizer, request, SimpleNamespace(seed=None))
+    assert seeded[1] == [prompt]
+    assert [len(s) for s in batched[1]] == [32] * 6 + [8]
+    assert attached[0].status()["cuts"] == 6
 
 
 def test_a_prompt_extending_a_stored_entry_is_left_to_the_host(

@@ -22,7 +22,13 @@ Factory = Callable[[Any, Any, Mapping[str, Any]], Any]
 
 def _tokenize(life: Any, original: Any, _originals: Mapping[str, Any]) -> Any:
     def wrapper(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        return life.segments(self, original(self, tokenizer, request, args))
+        result = original(self, tokenizer, request, args)
+        # mlx-lm serves a request it cannot batch (a seed, --kv-bits) one by one,
+        # ignoring the segments: no cut would happen there.
+        batchable = getattr(self, "_is_batchable", None)
+        if args is not None and callable(batchable) and not batchable(args):
+            return result
+        return life.segments(self, result)
 
     return wrapper
 
