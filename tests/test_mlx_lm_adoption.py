@@ -87,6 +87,19 @@ def test_partial_match_restores_the_block_floor_with_a_cold_runs_output(
     assert attached[1].status()["reasons"] == {"partial": 1}
 
 
+def test_a_sliding_window_snapshot_keeps_only_the_window(
+    models: dict[str, Any], attached: tuple[MlxLmInstrumentor, AdopterPlugin]
+) -> None:
+    from mlx_recovery_plugin.testing.mlx_lm_models import SLIDING_WINDOW
+
+    serve(LRUPromptCache(max_size=10), models["sliding"], tokens(200, seed=27))
+    held = list(attached[0]._life.snapshots._snapshots.values())
+    assert [s.boundary for s in held] == [32, 64, 96, 128, 160, 192]
+    past = [s for s in held if s.boundary >= SLIDING_WINDOW]
+    assert past and all(s.layers[0].keys.shape[2] == SLIDING_WINDOW for s in past)
+    assert all(1 not in s.layers for s in held)  # the global-attention layer is trimmed instead
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "sliding"])
 def test_without_the_plugin_the_host_reuses_nothing_of_that_match(kind: str, models: dict[str, Any]) -> None:
     # The baseline the adapter is for: a longer, non-trimmable entry is not reused.

@@ -46,12 +46,37 @@ def model_needs_state(model: Any) -> bool:
 
 def copy_layer(layer: Any) -> Any:
     """An independent, evaluated copy of one layer cache (so the snapshot keeps no
-    reference into a batch the host goes on writing)."""
+    reference into a batch the host goes on writing); a rotating cache keeps only its
+    window."""
+    window = _window_only(layer)
+    if window is not None:
+        return window
     copied = copy.deepcopy(layer)
     state = [a for a in _arrays(copied.state)]
     if state:
         mx.eval(*state)
     return copied
+
+
+def _window_only(layer: Any) -> Any:
+    """A ``RotatingKVCache`` past its window holds, after a multi-token step, the window
+    plus the step less one token; every later step keeps only the last window of them
+    (``_update_concat`` trims to ``max_size - 1``, ``_update_in_place`` to ``max_size``,
+    a batch merge takes ``size()``), so a copy of the last ``max_size`` tokens in temporal
+    order is the same state at a fraction of the bytes. None where that does not hold."""
+    rotating = getattr(mlx_cache, "RotatingKVCache", None)
+    if type(layer) is not rotating or layer.keep != 0 or layer.keys is None:
+        return None
+    size = layer.max_size
+    if layer.offset < size or layer.keys.shape[2] <= size:
+        return None
+    out = rotating(max_size=size, keep=0)
+    out.keys = mx.contiguous(layer._temporal_order(layer.keys)[..., -size:, :])
+    out.values = mx.contiguous(layer._temporal_order(layer.values)[..., -size:, :])
+    out.offset = layer.offset
+    out._idx = size
+    mx.eval(out.keys, out.values)
+    return out
 
 
 def layer_bytes(layer: Any) -> int:
