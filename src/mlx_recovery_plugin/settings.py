@@ -129,6 +129,14 @@ class RecoverySettings(BaseSettings):
         256, ge=1, le=1_048_576,
         description="rapid-mlx (whole-entry cache): tokens per published step of an entry",
     )
+    mlxlm_block_tokens: int = Field(
+        256, ge=1, le=1_048_576,
+        description="mlx-lm server: tokens per adoption block (boundary snapshots fall on its multiples)",
+    )
+    mlxlm_snapshot_bytes: int = Field(
+        1 << 30, ge=0,
+        description="mlx-lm server: bytes of boundary state kept for non-trimmable layers (0 = none)",
+    )
     plugins: str = Field("", description="comma list: load only these plugin entry points")
     disable_plugins: str = Field("", description="comma list: never load these plugin entry points")
     control_socket: str = Field(

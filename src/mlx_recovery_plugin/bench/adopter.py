@@ -337,7 +337,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "adopter", help="partial-prefix adopter: cached tokens per workload, decision cost"
     )
-    p.add_argument("--block-size", type=int, default=16, help="cache block, tokens (default 16)")
+    p.add_argument("--host", choices=("mock", "mlx_lm"), default="mock",
+                   help="mock: the detached-set store; mlx_lm: mlx-lm's own server over HTTP (tiny models)")
+    p.add_argument("--block-size", type=int, default=None, help="cache block, tokens (default 16; mlx_lm: 64)")
     p.add_argument("--system-tokens", type=int, default=1000, help="shared prefix length (default 1000)")
     p.add_argument("--requests", type=int, default=8, help="requests (or turns) per workload (default 8)")
     p.add_argument("--entries", type=int, default=1000, help="stored entries for the decision cost (0: skip)")
@@ -345,12 +347,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--entry-tokens", type=int, default=512, help="tokens per stored entry (default 512)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--urllib", action="store_true", help="mlx_lm: plain urllib instead of the OpenAI SDK")
+    p.add_argument("--out", default="", help="mlx_lm: also write the JSON report here")
     p.set_defaults(func=_cmd_bench_adopter)
 
 
 def _cmd_bench_adopter(args: argparse.Namespace) -> int:
+    if args.host == "mlx_lm":
+        from .adopter_mlx_lm import command
+
+        args.block_size = args.block_size or 64
+        return command(args)
     report = run_adopter_bench(
-        block_size=args.block_size,
+        block_size=args.block_size or 16,
         system_tokens=args.system_tokens,
         requests=args.requests,
         entries=args.entries,

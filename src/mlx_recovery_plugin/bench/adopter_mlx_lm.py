@@ -1,0 +1,293 @@
+"""``mlx-recovery bench adopter --host mlx_lm``: the adopter on mlx-lm's own server, over HTTP.
+
+Each model kind (a qwen3_next-shaped hybrid, a gemma3-shaped sliding-window model, a qwen3
+trimmable reference; tiny random-weight float32 models) is served by ``python -m
+mlx_lm.server`` without the plugin and with it (attached from the environment alone), and
+driven by a client (the OpenAI SDK when installed, else plain ``urllib``) through five
+workloads: a shared document inside one user message, ``/v1/completions`` with a shared
+prefix, an edited user message, sub-agents with different system prompts over one shared
+tool schema (the schema leads the system message: the tiny models' template renders no
+tool list), and a regenerated answer. Each workload uses its own text, so one server per
+arm serves them all without cross-talk.
+
+Per workload and arm: cached tokens as the server's ``usage.prompt_tokens_details.
+cached_tokens`` reports them, summed over every request after the first; the *floor* is
+the sum of ``floor(shared prefix, block)`` where the shared prefix is the longest common
+prefix with any earlier prompt of the workload (what a block-floored adopter could
+restore); snapshot bytes held at the workload's end and stored during it (from the
+plugin's status route). Timing is not reported: on a shared CPU it is no figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..testing.mlx_lm_models import SPECS
+from ..testing.mlx_lm_server import Reply, ServerClient, plugin_environment, serving
+from ..testing.tiny_model import cached_model_dir
+
+WORKLOADS = ("shared_document", "completions_prefix", "edited_message", "subagents", "regenerated")
+#: Workloads where the prompts diverge inside a segment: the adopter's ground.
+PARTIAL_WORKLOADS = ("shared_document", "completions_prefix", "edited_message", "subagents")
+ARMS = ("without", "with")
+GOAL_SHARE = 0.9
+
+
+@dataclass(slots=True, frozen=True)
+class Request:
+    kind: str  # "chat" or "completion"
+    messages: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
+
+
+@dataclass(slots=True)
+class Row:
+    model: str
+    workload: str
+    arm: str
+    requests: int
+    cached_tokens: int
+    floor_tokens: int
+    snapshot_bytes: int = 0
+    snapshot_bytes_stored: int = 0
+    cuts: int = 0
+    host_cache_bytes: int = 0
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def share_of_floor(self) -> float:
+        return self.cached_tokens / self.floor_tokens if self.floor_tokens else 1.0
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(chr(97 + rng.randrange(26)) if rng.random() > 0.15 else " " for _ in range(n))
+
+
+def workload(name: str, doc_chars: int, requests: int, seed: int) -> list[Request]:
+    """The requests of one workload (byte-level tokenizer: one token per character)."""
+    rng = random.Random(f"{name}-{seed}")
+    doc = _text(rng, doc_chars)
+    system = ("system", "You answer briefly.")
+    if name == "shared_document":
+        return [Request("chat", (system, ("user", f"{doc}\nQuestion {i}: {_text(rng, 20)}?"))) for i in range(requests)]
+    if name == "completions_prefix":
+        return [Request("completion", prompt=f"{doc}\n{_text(rng, 30)}") for _ in range(requests)]
+    if name == "edited_message":
+        out, text = [], doc
+        for _ in range(requests):
+            out.append(Request("chat", (system, ("user", text))))
+            at = int(len(text) * 0.8)  # the user edits a late part of the message
+            text = text[:at] + _text(rng, 12) + text[at + 12 :]
+        return out
+    if name == "subagents":
+        tools = json.dumps([{"type": "function", "function": {"name": f"tool_{i}", "description": _text(rng, 40),
+                                                                  "parameters": {"type": "object"}}} for i in range(6)])
+        tools = tools[:doc_chars]
+        return [Request("chat", (("system", f"{tools}\nYou are sub-agent {i}: {_text(rng, 30)}"),
+                                 ("user", f"Task: {_text(rng, 25)}"))) for i in range(requests)]
+    if name == "regenerated":
+        messages = (system, ("user", f"{doc}\nSummarise."))
+        return [Request("chat", messages) for _ in range(requests)]
+    raise ValueError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+
+
+def _template(messages: Sequence[tuple[str, str]]) -> str:
+    # The tiny models' chat template (testing/tiny_model.py), one token per character.
+    return "".join(f"<|{role}|>{content}" for role, content in messages) + "<|assistant|>"
+
+
+def prompt_tokens(request: Request) -> list[str]:
+    """The prompt as the tiny tokenizer sees it: one symbol per token."""
+    if request.kind == "completion":
+        return list(request.prompt)
+    out: list[str] = []
+    text = _template(request.messages)
+    i = 0
+    while i < len(text):
+        if text.startswith("<|", i) and (end := text.find("|>", i)) > 0:
+            out.append(text[i : end + 2])
+            i = end + 2
+        else:
+            out.append(text[i])
+            i += 1
+    return out
+
+
+def floor_tokens(requests: Sequence[Request], block: int) -> int:
+    """Sum over requests after the first of floor(longest common prefix with an earlier one, block),
+    capped where the host must still prefill one token."""
+    prompts = [prompt_tokens(r) for r in requests]
+    total = 0
+    for k in range(1, len(prompts)):
+        best = 0
+        for earlier in prompts[:k]:
+            n = 0
+            for a, b in zip(earlier, prompts[k]):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        total += (min(best, len(prompts[k]) - 1) // block) * block
+    return total
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """Bytes per token of the model's trimmable (attention) layers, measured on 256 tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from ..testing.tiny_model import load_tiny_model
+
+    loaded, _ = load_tiny_model(cached_model_dir(SPECS[model]))
+    cache = make_prompt_cache(loaded)
+    mx.eval(loaded(mx.array([[1] * 256]), cache=cache))
+    return int(sum(c.nbytes for c in cache if type(c) is KVCache)) // 256
+
+
+def _sdk_sender(client: ServerClient) -> Callable[[Request], Reply] | None:
+    try:
+        import openai
+    except ImportError:
+        return None
+    sdk = openai.OpenAI(base_url=client.base_url + "/v1", api_key="none", timeout=client.timeout)
+
+    def send(request: Request) -> Reply:
+        out: Any
+        if request.kind == "completion":
+            out = sdk.completions.create(model=client.model, prompt=request.prompt, max_tokens=6, temperature=0.0)
+            text = out.choices[0].text
+        else:
+            out = sdk.chat.completions.create(
+                model=client.model, max_tokens=6, temperature=0.0,
+                messages=[{"role": r, "content": c} for r, c in request.messages],  # type: ignore[misc]
+            )
+            text = out.choices[0].message.content or ""
+        usage = out.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+        return Reply(text, cached, int(usage.prompt_tokens if usage else 0), ())
+
+    return send
+
+
+def _urllib_sender(client: ServerClient) -> Callable[[Request], Reply]:
+    def send(request: Request) -> Reply:
+        if request.kind == "completion":
+            return client.complete(request.prompt, max_tokens=6)
+        return client.chat([{"role": r, "content": c} for r, c in request.messages], max_tokens=6)
+
+    return send
+
+
+def run_arm(
+    model: str, arm: str, *, block: int, doc_chars: int, requests: int, seed: int, use_sdk: bool,
+    workloads: Sequence[str] = WORKLOADS,
+) -> list[Row]:
+    path = cached_model_dir(SPECS[model])
+    rows: list[Row] = []
+    with serving(path, plugin_environment(arm == "with", block)) as client:
+        send = (_sdk_sender(client) if use_sdk else None) or _urllib_sender(client)
+        before = client.status() or {}
+        for name in workloads:
+            batch = workload(name, doc_chars, requests, seed)
+            replies = [send(r) for r in batch]
+            after = client.status() or {}
+            snaps, snaps_before = after.get("snapshots", {}), before.get("snapshots", {})
+            rows.append(Row(
+                model, name, arm, len(batch), sum(r.cached_tokens for r in replies[1:]), floor_tokens(batch, block),
+                snapshot_bytes=int(snaps.get("bytes", 0)),
+                snapshot_bytes_stored=int(snaps.get("bytes_stored", 0)) - int(snaps_before.get("bytes_stored", 0)),
+                cuts=int(after.get("cuts", 0)) - int(before.get("cuts", 0)),
+                host_cache_bytes=int(after.get("host_cache_bytes", 0)),
+                texts=[r.text for r in replies],
+            ))
+            before = after
+    return rows
+
+
+@dataclass(slots=True)
+class MlxLmBenchReport:
+    block: int
+    doc_chars: int
+    rows: list[Row] = field(default_factory=list)
+
+    kv_per_token: dict[str, int] = field(default_factory=dict)
+
+    def row(self, model: str, workload: str, arm: str) -> Row | None:
+        return next((r for r in self.rows if (r.model, r.workload, r.arm) == (model, workload, arm)), None)
+
+    def memory_ratio(self, model: str, workload: str) -> float | None:
+        """Snapshot bytes stored over the KV bytes of the tokens they let the host skip."""
+        off, on = self.row(model, workload, "without"), self.row(model, workload, "with")
+        if off is None or on is None or on.cached_tokens <= off.cached_tokens:
+            return None
+        return on.snapshot_bytes_stored / ((on.cached_tokens - off.cached_tokens) * self.kv_per_token[model])
+
+    @property
+    def goals_met(self) -> bool:
+        partial = all(r.share_of_floor >= GOAL_SHARE for r in self.rows
+                      if r.arm == "with" and r.model != "reference" and r.workload in PARTIAL_WORKLOADS)
+        reference_free = all(r.snapshot_bytes_stored == 0 and r.cuts == 0 for r in self.rows if r.model == "reference")
+        return partial and reference_free
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": "mlx_lm", "block_tokens": self.block, "doc_chars": self.doc_chars,
+            "kv_bytes_per_token": self.kv_per_token,
+            "rows": [{**asdict(r), "share_of_floor": round(r.share_of_floor, 3),
+                      "snapshot_over_kv_saved": self.memory_ratio(r.model, r.workload) if r.arm == "with" else None}
+                     for r in self.rows],
+            "goals_met": self.goals_met,
+        }
+
+    def format_table(self) -> str:
+        lines = [f"mlx_lm.server, cached tokens per workload (block {self.block}; floor = block floor of the shared prefix)",
+                 f"  {'workload':<19} {'model':<9} {'without':>8} {'with':>8} {'floor':>8} {'share':>6} "
+                 f"{'snap held':>10} {'snap stored':>11} {'cuts':>5} {'snap/KV saved':>13}"]
+        for name in dict.fromkeys(r.workload for r in self.rows):
+            for model in dict.fromkeys(r.model for r in self.rows):
+                off, on = self.row(model, name, "without"), self.row(model, name, "with")
+                if on is None:
+                    continue
+                lines.append(
+                    f"  {name:<19} {model:<9} {off.cached_tokens if off else '-':>8} {on.cached_tokens:>8} "
+                    f"{on.floor_tokens:>8} {on.share_of_floor:>6.0%} {on.snapshot_bytes:>10} "
+                    f"{on.snapshot_bytes_stored:>11} {on.cuts:>5} {_ratio(self.memory_ratio(model, name)):>13}"
+                )
+        lines.append(f"goals met (with >= {GOAL_SHARE:.0%} of floor on partial workloads; reference: 0 cuts, 0 bytes): "
+                     f"{'yes' if self.goals_met else 'no'}")
+        return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def run_mlx_lm_bench(
+    *, block: int = 64, doc_chars: int = 600, requests: int = 3, seed: int = 0, use_sdk: bool = True,
+    models: Sequence[str] = ("hybrid", "sliding", "reference"), workloads: Sequence[str] = WORKLOADS,
+) -> MlxLmBenchReport:
+    report = MlxLmBenchReport(block, doc_chars)
+    for model in models:
+        report.kv_per_token[model] = kv_bytes_per_token(model)
+        arms = ("with",) if model == "reference" else ARMS
+        for arm in arms:
+            report.rows += run_arm(model, arm, block=block, doc_chars=doc_chars, requests=requests, seed=seed,
+                                   use_sdk=use_sdk, workloads=workloads)
+    return report
+
+
+def command(args: argparse.Namespace) -> int:
+    report = run_mlx_lm_bench(block=args.block_size, doc_chars=args.system_tokens, requests=args.requests,
+                              seed=args.seed, use_sdk=not args.urllib)
+    text = json.dumps(report.to_dict(), indent=1) if args.json else report.format_table()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report.to_dict(), indent=1))
+    print(text)
+    return 0 if report.goals_met else 1

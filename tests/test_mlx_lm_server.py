@@ -1,0 +1,62 @@
+"""mlx-lm's own server (``python -m mlx_lm.server``, a subprocess on 127.0.0.1) with the
+plugin attached from the environment alone, over HTTP: the adopter restores the block
+floor of partial matches on the hybrid and sliding-window models, answers as a cold
+server does, and adds nothing on a trimmable model. Every server is killed in ``finally``
+(:func:`~mlx_recovery_plugin.testing.mlx_lm_server.serving`)."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from mlx_recovery_plugin.bench.adopter_mlx_lm import PARTIAL_WORKLOADS, run_mlx_lm_bench, workload
+from mlx_recovery_plugin.hosts.mlx_lm.instrumentor import mlx_lm_version, version_supported
+from mlx_recovery_plugin.testing.mlx_lm_models import SPECS
+from mlx_recovery_plugin.testing.mlx_lm_server import plugin_environment, serving
+from mlx_recovery_plugin.testing.tiny_model import cached_model_dir
+
+PTH = Path(sysconfig.get_paths()["purelib"]) / "mlx_recovery_plugin.pth"
+
+pytestmark = [
+    pytest.mark.skipif(not version_supported(mlx_lm_version()), reason="mlx-lm version the adapter refuses"),
+    pytest.mark.skipif(not PTH.exists(), reason="the start-up hook is not in site-packages (.ci/run copies it)"),
+]
+
+BLOCK = 64
+
+
+def test_bench_restores_the_block_floor_on_partial_matches_and_nothing_extra_on_the_reference() -> None:
+    report = run_mlx_lm_bench(block=BLOCK, doc_chars=400, requests=2, use_sdk=False)
+    for model in ("hybrid", "sliding"):
+        for name in PARTIAL_WORKLOADS:
+            off, on = report.row(model, name, "without"), report.row(model, name, "with")
+            assert off is not None and on is not None
+            assert on.floor_tokens > 0
+            assert on.cached_tokens >= 0.9 * on.floor_tokens, (model, name, on.cached_tokens, on.floor_tokens)
+            assert off.cached_tokens < 0.5 * on.floor_tokens  # the host alone loses the match
+            assert on.texts == off.texts  # the same greedy answers
+    for row in (r for r in report.rows if r.model == "reference"):
+        assert (row.cuts, row.snapshot_bytes_stored, row.snapshot_bytes) == (0, 0, 0)
+    assert report.goals_met
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "sliding"])
+def test_an_adopted_request_answers_as_a_cold_server_does(kind: str) -> None:
+    path = cached_model_dir(SPECS[kind])
+    first, second = workload("shared_document", 300, 2, seed=3)
+    messages = [[{"role": r, "content": c} for r, c in req.messages] for req in (first, second)]
+    with serving(path, plugin_environment(True, BLOCK)) as client:
+        client.chat(messages[0])
+        adopted = client.chat(messages[1])
+        status = client.status()
+    with serving(path, plugin_environment(False, BLOCK)) as client:
+        cold = client.chat(messages[1])
+        assert client.status() is None  # no plugin there: the route is the host's 404
+    assert adopted.cached_tokens >= BLOCK and cold.cached_tokens == 0
+    assert adopted.text == cold.text
+    assert len(adopted.logprobs) == len(cold.logprobs) > 0
+    assert max(abs(a - b) for a, b in zip(adopted.logprobs, cold.logprobs)) < 1e-4
+    assert status is not None and status["adopter"]["reasons"] == {"partial": 1}
+    assert status["snapshots"]["bytes"] > 0 and status["faults"] == 0
