@@ -171,6 +171,11 @@ class HostInstrumentor:
         """The lifecycle the wrappers feed, calling plugins through ``emitter``."""
         raise NotImplementedError
 
+    def _attached(self) -> str:
+        """After wrapping, under the lock: anything more the host needs; returns words
+        for the attach line (empty by default)."""
+        return ""
+
     # -- the template ----------------------------------------------------------------
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
@@ -200,10 +205,12 @@ class HostInstrumentor:
             self._life = self._new_lifecycle(emitter)
             self.version = version
             self._patches.wrap(classes, factories, self._life)
+            more = self._attached()
             plugins = sorted(_plugin_label(n, p) for n, p in emitter.pm.list_name_plugin())
             self.log.info(
-                "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed); "
-                "plugins: %s", label, version, len(self._patches), ", ".join(plugins) or "none",
+                "mlx-recovery: attached to %s %s (%d methods wrapped, no file changed%s); "
+                "plugins: %s", label, version, len(self._patches), f"; {more}" if more else "",
+                ", ".join(plugins) or "none",
             )
             return True
 

@@ -6,6 +6,6 @@ Importing this package imports neither mlx-lm, MLX nor pluggy (beyond what the p
 packages import); :meth:`MlxLmInstrumentor.instrument` does the heavy work.
 """
 
-from .instrumentor import HOST_PACKAGE, SUPPORTED_VERSIONS, MlxLmInstrumentor, version_supported
+from .instrumentor import HOST_PACKAGE, VERSIONS, MlxLmInstrumentor, version_supported
 
-__all__ = ["HOST_PACKAGE", "SUPPORTED_VERSIONS", "MlxLmInstrumentor", "version_supported"]
+__all__ = ["HOST_PACKAGE", "VERSIONS", "MlxLmInstrumentor", "version_supported"]

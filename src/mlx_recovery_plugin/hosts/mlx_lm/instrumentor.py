@@ -36,18 +36,19 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..instrumenting import HostInstrumentor, parse_version
+from ..instrumenting import Factories, HostInstrumentor, VersionRange
 
 if TYPE_CHECKING:
     import pluggy
 
+    from ...plugins import HookEmitter
     from ...settings import RecoverySettings
     from .adoption import Adoption
 
 log = logging.getLogger(__name__)
 
 #: mlx-lm releases this adapter was written against and tested on.
-SUPPORTED_VERSIONS = ((0, 32, 2), (0, 33))
+VERSIONS = VersionRange((0, 32, 2), (0, 33))
 
 HOST_PACKAGE = "mlx_lm"
 SERVER_MODULE = "mlx_lm.server"
@@ -58,14 +59,7 @@ CACHE_NEEDS = ("PromptTrie", "can_trim_prompt_cache", "make_prompt_cache", "Rota
 
 
 def version_supported(version: str) -> bool:
-    parsed = parse_version(version)
-    low, high = SUPPORTED_VERSIONS
-    return bool(parsed) and low <= parsed < high
-
-
-def supported_text() -> str:
-    low, high = SUPPORTED_VERSIONS
-    return f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    return VERSIONS.admits(version)
 
 
 def mlx_lm_version() -> str:
@@ -109,6 +103,7 @@ class MlxLmInstrumentor(HostInstrumentor):
         self._settings = settings
         self._life: Adoption | None = None
         self._server_wrapped = False
+        self._server: ModuleType | None = None
         self._pm: pluggy.PluginManager | None = None
 
     # -- the adapter protocol --------------------------------------------------------
@@ -120,50 +115,53 @@ class MlxLmInstrumentor(HostInstrumentor):
             return False
 
     def instrument(self, pm: pluggy.PluginManager | None = None) -> bool:
-        """Wrap mlx-lm's prompt cache and server; True when attached (now or before)."""
-        with self._lock:
-            if self._patches:
-                return True
-            version = mlx_lm_version()
-            if not version_supported(version):
-                log.warning("mlx-recovery: mlx-lm %s is not supported (this adapter knows %s); not attaching",
-                            version, supported_text())
-                return False
-            cache_module = importlib.import_module(CACHE_MODULE)
-            from .wrappers import CACHE_FACTORIES
+        """Wrap mlx-lm's prompt cache and server (the template's); hooks go to ``pm``."""
+        self._pm = pm
+        return super().instrument(pm)
 
-            cls: type | None = getattr(cache_module, "LRUPromptCache", None)
-            missing = [f"LRUPromptCache.{n}" for _, n in CACHE_FACTORIES if not hasattr(cls, n)]
-            missing += [n for n in CACHE_NEEDS if not hasattr(cache_module, n)]
-            if missing:
-                log.warning("mlx-recovery: mlx-lm %s lacks %s; not attaching", version, ", ".join(missing))
-                return False
-            from ...plugins import HookEmitter, get_plugin_manager
-            from ...settings import load_settings
-            from .adoption import Adoption
+    # -- the template's parts (:class:`~..instrumenting.HostInstrumentor`) ---------------
 
-            settings = self._settings if self._settings is not None else load_settings()
-            self._pm = pm if pm is not None else get_plugin_manager()
-            self._life = Adoption(
-                HookEmitter(self._pm), active=settings.adopter_enabled,
-                block_size=settings.mlxlm_block_tokens, budget_bytes=settings.mlxlm_snapshot_bytes,
-            )
-            self.version = version
-            assert cls is not None  # checked with the other needs above
-            classes = {"LRUPromptCache": cls}
-            factories: dict[tuple[str, str], Any] = dict(CACHE_FACTORIES)
-            module = server_module()
-            if module is None and not main_is_server():
-                module = importlib.import_module(SERVER_MODULE)
-            if module is None:
-                # ``-m mlx_lm.server``: its classes exist once it builds its prompt cache.
-                factories[("LRUPromptCache", "__init__")] = self._finishing_init
-            self._patches.wrap(classes, factories, self._life)
-            if module is not None:
-                self._wrap_server(module)
-            log.info("mlx-recovery: attached to mlx-lm %s (%d methods wrapped, no file changed; adopter %s)",
-                     version, len(self._patches), "on" if self._life.active else "off")
-            return True
+    def _host_version(self) -> str:
+        return mlx_lm_version()
+
+    def _host_versions(self) -> VersionRange:
+        return VERSIONS
+
+    def _host_classes(self) -> dict[str, type]:
+        return {"LRUPromptCache": importlib.import_module(CACHE_MODULE).LRUPromptCache}
+
+    def _host_factories(self) -> Factories:
+        from .wrappers import CACHE_FACTORIES
+
+        factories: dict[tuple[str, str], Any] = dict(CACHE_FACTORIES)
+        self._server = server_module()
+        if self._server is None and not main_is_server():
+            self._server = importlib.import_module(SERVER_MODULE)
+        if self._server is None:
+            # ``-m mlx_lm.server``: its classes exist once it builds its prompt cache.
+            factories[("LRUPromptCache", "__init__")] = self._finishing_init
+        return factories
+
+    def _host_missing(self, classes: Mapping[str, type]) -> list[str]:
+        cache_module = importlib.import_module(CACHE_MODULE)
+        return [n for n in CACHE_NEEDS if not hasattr(cache_module, n)]
+
+    def _new_lifecycle(self, emitter: HookEmitter) -> Adoption:
+        from ...settings import load_settings
+        from .adoption import Adoption
+
+        settings = self._settings if self._settings is not None else load_settings()
+        self._pm = emitter.pm
+        return Adoption(
+            emitter, active=settings.adopter_enabled,
+            block_size=settings.mlxlm_block_tokens, budget_bytes=settings.mlxlm_snapshot_bytes,
+        )
+
+    def _attached(self) -> str:
+        if self._server is not None:
+            self._wrap_server(self._server)
+        assert self._life is not None
+        return f"adopter {'on' if self._life.active else 'off'}"
 
     def uninstrument(self) -> None:
         with self._lock:
