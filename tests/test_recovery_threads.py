@@ -215,3 +215,52 @@ def test_engine_stop_on_an_event_loop_keeps_the_loop_serving_and_nothing_is_stor
     assert "e" not in plugin.status()["engines"]
     assert host.leaked() == {}
     plugin.close()
+
+
+def test_status_never_reads_the_cost_model_the_engine_thread_is_changing() -> None:
+    """The publish policy's status is a value built whole on the engine thread: a status
+    read from another thread touches none of the live samples."""
+    from mlx_recovery_plugin.recovery.judge import PublishJudge
+    from mlx_recovery_plugin.settings import PublishPolicy
+
+    judge = PublishJudge(PublishPolicy.AUTO, 16)
+    for context in (0, 64, 128, 192):
+        judge.observe(context, 64, 0.01 + context * 1e-5)
+    before = judge.status()
+
+    class Mutating:
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("deque mutated during iteration")
+
+    judge.costs = Mutating()  # type: ignore[assignment]
+    status = judge.status()
+    assert status == before and status["dense_cost_samples"] == 4
+    assert status["dense_s_per_token"] is not None
+    try:
+        status["mode"] = "always"  # type: ignore[index]
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a status handed to another thread must be read-only")
+
+
+def test_status_read_in_a_loop_while_slices_run_never_raises(loaded) -> None:
+    host, plugin, _ = build(loaded, ["e"])
+    errors: list[BaseException] = []
+    reads = 0
+    host.start()
+    try:
+        for turn in range(3):
+            host.wait(host.submit("e", random_tokens(20 + turn, 700), sparse=True, max_tokens=2), WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline and plugin.status()["engines"]["e"]["jobs"]:
+                try:
+                    plugin.status()
+                    plugin.counters()
+                    reads += 1
+                except Exception as exc:  # noqa: BLE001 - what the test looks for
+                    errors.append(exc)
+    finally:
+        host.stop()
+    assert errors == [] and reads > 0
+    plugin.close()

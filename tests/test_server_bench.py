@@ -311,3 +311,67 @@ def test_each_arm_starts_on_an_empty_cache_even_in_a_reused_workdir(tmp_path: Pa
     (cache / "block-0.safetensors").write_bytes(b"left by an earlier run")
     assert fresh_dir(cache) == cache
     assert list(cache.iterdir()) == []
+
+
+def _greedy_text(server: ServerProcess, model: str, messages: list[dict[str, str]]) -> tuple[str, int]:
+    from mlx_recovery_plugin.bench.server.client import make_client
+
+    answer = make_client(server.base_url).chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0.0,
+    )
+    details = getattr(answer.usage, "prompt_tokens_details", None)
+    return answer.choices[0].message.content or "", int(getattr(details, "cached_tokens", 0) or 0)
+
+
+def test_blocks_recovery_published_survive_a_server_restart(tmp_path: Path) -> None:
+    """oMLX's paged SSD cache persists across restarts: what recovery published on one
+    server is restored by the next one on the same cache directory (with no plugin at
+    all), and answers as a cold server does."""
+    reason = _real_server_ready(FLYTO_MLX)
+    if reason is not None:
+        pytest.skip(reason)
+    import dataclasses
+
+    from mlx_recovery_plugin.bench.server import sessions
+    from mlx_recovery_plugin.bench.server.models import write_models
+    from mlx_recovery_plugin.bench.server.run import BenchConfig, _read_status, _server_spec
+    from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
+
+    pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
+                        TinyModelSpec(arch="llama", num_layers=1, seed=7))
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always")
+    first, second = sessions.agent(sessions.Shape(turns=2), think_s=8.0).steps[:2]
+
+    recovering = _server_spec(config, pair, tmp_path / "rec", "sparse_recovery")
+    with ServerProcess(recovering) as server:
+        _greedy_text(server, pair.target_id, [{"role": "user", "content": "warm up"}])  # loads the models
+        served = send_turn(make_client_for(server), pair.target_id, list(first.messages))
+        assert served.prompt_tokens > 8192 and served.cached_tokens == 0
+        deadline = time.monotonic() + 120.0
+        recovered = 0
+        while time.monotonic() < deadline:
+            time.sleep(2.0)
+            recovered = status_figures(_read_status(server))["tokens_recovered"]
+            if recovered >= 8192:
+                break
+        assert recovered >= 8192, "recovery did not publish the served prefix"
+        assert "SpecPrefill: sparse prefill" in server.log_text()
+
+    restarted = dataclasses.replace(
+        _server_spec(config, pair, tmp_path / "after", "sparse_off"), cache_dir=recovering.cache_dir,
+    )
+    with ServerProcess(restarted) as server:
+        text, cached = _greedy_text(server, pair.target_id, list(second.messages))
+    assert cached >= recovered - 256, (cached, recovered)  # 256: flyto-mlx's block
+
+    cold = _server_spec(config, pair, tmp_path / "cold", "sparse_off")
+    with ServerProcess(cold) as server:
+        cold_text, cold_cached = _greedy_text(server, pair.target_id, list(second.messages))
+    assert cold_cached == 0 and text == cold_text
+    assert not process._live
+
+
+def make_client_for(server: ServerProcess) -> object:
+    from mlx_recovery_plugin.bench.server.client import make_client
+
+    return make_client(server.base_url)
