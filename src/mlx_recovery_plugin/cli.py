@@ -20,6 +20,7 @@ from .settings import SettingsError, describe_settings, load_settings
 COMMAND_MODULES = (
     "mlx_recovery_plugin.demo.cli",
     "mlx_recovery_plugin.control_cli",
+    "mlx_recovery_plugin.models.cli",
 )
 BENCH_MODULES = (
     "mlx_recovery_plugin.bench.runner",
