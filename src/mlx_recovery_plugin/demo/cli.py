@@ -19,8 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw per-turn TTFT and cached tokens as a PNG")
-    p.add_argument("--model", metavar="PATH", help="an mlx-lm model directory (default: an embedded tiny model)")
-    p.add_argument("--draft", metavar="PATH", help="draft model directory for the sparse route (default: the model itself)")
+    p.add_argument("--model", metavar="NAME|PATH",
+                   help="a fetched model's name (smollm2: see `mlx-recovery models`) or an mlx-lm model directory "
+                   "(default: the random-weight bench model)")
+    p.add_argument("--draft", metavar="NAME|PATH", help="draft model for the sparse route (default: the model itself)")
     p.add_argument("--host", choices=("mock", "omlx"), default="mock", help="mock host, or the real oMLX scheduler")
     p.add_argument("--turns", type=int, default=5, help="turns in the session (default 5: the real-server measurement's session)")
     p.add_argument("--repeats", type=int, default=1, help="serve the session this many times (spread of ratios)")
@@ -38,6 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..models.library import resolve_model
+
+    # Before any work: a model asked for by name and not fetched says what to run.
+    for value in (args.model, args.draft):
+        if value:
+            resolve_model(value)
     maybe_reexec(args)  # float32 prefill is 15-20x faster on OpenBLAS than on MLX's bundled BLAS
     from .report import format_table, write_plot
     from .run import DemoConfig, progress_to_stderr, run_demo
@@ -55,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.quick:
         config.target = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, seed=21)
         config.draft = TinyModelSpec(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=22)
-        config.session = dataclasses.replace(config.session, system_chars=1500, tool_chars=200, question_chars=40, reply_chars=40)
+        config.session = dataclasses.replace(config.session, system_tokens=1500, tool_tokens=200, question_tokens=40, reply_tokens=40)
         config.serve = dataclasses.replace(config.serve, model_id="tiny-llama-128x2", block_size=64, prefill_step=128, sparse_threshold=256)
     if args.model:
         config.serve = dataclasses.replace(config.serve, model_id=args.model)

@@ -263,12 +263,11 @@ def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
     """``mlx-recovery demo --host omlx``: the demo's session and report, on real oMLX."""
     from ..runner.blas import describe
     from .report import DemoReport
-    from .run import prepare_models, text_encoder
-    from .session import build_session
+    from .run import prepare_models, session_turns
 
     say = progress or (lambda line: None)
     models = prepare_models(demo_config)
-    turns = build_session(demo_config.session, text_encoder(models.tokenizer))
+    turns = session_turns(demo_config.session, models.tokenizer)
     config = demo_config.serve
     think_time_s = demo_config.session.think_time_s
     report = DemoReport(

@@ -10,7 +10,7 @@ from typing import Any
 from ..testing.tiny_model import BENCH_DRAFT, BENCH_TARGET, TinyModelSpec, cached_model_dir, load_tiny_model
 from .arms import ArmSession, Models, ServeConfig
 from .report import ARM_TITLES, ARMS, DemoReport
-from .session import SessionSpec, build_session
+from .session import ChatFormat, SessionSpec, Turn, build_session
 
 
 @dataclass(slots=True)
@@ -26,10 +26,13 @@ class DemoConfig:
 
 
 def prepare_models(config: DemoConfig) -> Models:
-    """Load the target and draft: given directories, or tiny ones written once to the cache."""
+    """Load the target and draft: given directories or known model names (``smollm2``), or
+    tiny ones written once to the cache."""
     if config.model_path:
-        model, tokenizer = load_tiny_model(config.model_path)
-        draft = load_tiny_model(config.draft_path)[0] if config.draft_path else model
+        from ..models.library import resolve_model
+
+        model, tokenizer = load_tiny_model(resolve_model(config.model_path))
+        draft = load_tiny_model(resolve_model(config.draft_path))[0] if config.draft_path else model
         return Models(model, tokenizer, draft)
     model, tokenizer = load_tiny_model(cached_model_dir(config.target))
     draft, _ = load_tiny_model(cached_model_dir(config.draft))
@@ -40,6 +43,11 @@ def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def session_turns(spec: SessionSpec, tokenizer: Any) -> list[Turn]:
+    """The demo's session in ``tokenizer``'s tokens, with its chat template's markup."""
+    return build_session(spec, text_encoder(tokenizer), ChatFormat.of(tokenizer))
+
+
 def run_demo(config: DemoConfig, progress: Callable[[str], None] | None = None) -> DemoReport:
     """Serve the session in every arm, alternating arms turn by turn, ``repeats`` times."""
     from ..runner.blas import describe, warn_once_if_slow
@@ -47,7 +55,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] | None = None) 
     warn_once_if_slow()
     say = progress or (lambda line: None)
     models = prepare_models(config)
-    turns = build_session(config.session, text_encoder(models.tokenizer))
+    turns = session_turns(config.session, models.tokenizer)
     report = DemoReport(
         model=config.model_path or config.serve.model_id,
         host=config.host,
