@@ -4,6 +4,7 @@ sparse route alone leaves nothing reusable, and recovery brings reuse back."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,37 @@ def test_demo_by_name_not_fetched_says_which_command_to_run(
     assert main(["demo", "--no-openblas", "--model", "smollm2"]) == 2
     err = capsys.readouterr().err
     assert "model 'smollm2' is not fetched: run `mlx-recovery models fetch smollm2`" in err
+
+
+def test_recall_session_asks_about_facts_its_first_turn_holds() -> None:
+    from mlx_recovery_plugin.demo.recall import RecallSpec, build_recall_session
+
+    turns = build_recall_session(RecallSpec(system_tokens=2000, turns=5), lambda text: list(text.encode()))
+    first = bytes(turns[0].turn.prompt).decode()
+    assert 2000 <= len(turns[0].turn.prompt) < 2200
+    for before, after in zip(turns, turns[1:]):
+        assert after.turn.prompt[: len(before.turn.prompt)] == before.turn.prompt
+        item = after.question.removeprefix("In which room is the ").removesuffix(" kept?")
+        assert f"The {item} is kept in room {after.expected}." in first
+    assert len({t.expected for t in turns[1:]}) == 4  # four different facts asked about
+
+
+def test_answers_run_shows_each_arms_answers_and_recovery_gives_the_dense_one_back(toy_config: DemoConfig) -> None:
+    import dataclasses
+
+    from mlx_recovery_plugin.demo.answers import format_answers, shares
+
+    config = dataclasses.replace(toy_config, answers=True, serve=dataclasses.replace(TOY_SERVE, max_tokens=6))
+    report = run_demo(config)
+    (run,) = report.repeats
+    assert len(report.expected) == 3 and report.expected[0] == "" and all(report.expected[1:])
+    assert all(t.route == "sparse" for t in run["sparse_on"].turns)
+    got = shares(report)
+    assert (got["sparse_off"].same, got["sparse_off"].of) == (2, 2)
+    rec = got["sparse_recovery"]
+    assert rec.restored_of == 2 and rec.restored_same == 2  # restored prefix: the dense answer
+    assert [t.output_tokens for t in run["sparse_recovery"].turns[1:]] == [t.output_tokens for t in run["sparse_off"].turns[1:]]
+    text = format_answers(report)
+    assert re.search(r"later turns, sparse off +: dense answer 2/2 \(100 %\)", text)
+    assert "where a prefix was restored 2/2 (100 %)" in text
+    assert report.to_json()["answers"]["shares"]["sparse_recovery"]["restored_dense_share"] == 1.0

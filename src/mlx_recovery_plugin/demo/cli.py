@@ -34,6 +34,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "a turn whose uncached part is smaller is prefilled densely over the cached prefix)",
     )
     p.add_argument("--slice-tokens", type=int, default=None, help="tokens per recovery slice (default: the prefill step)")
+    p.add_argument(
+        "--answers", action="store_true",
+        help="a recall session instead: facts in the first turn, later turns asking about them; print each "
+        "arm's greedy answer per turn, whether it equals sparse off's, and the share of later turns that do",
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens generated per turn (default 4; 12 with --answers)")
+    p.add_argument("--system-tokens", type=int, default=None, help="tokens of the first turn's system message (default 8,500)")
     p.add_argument("--quick", action="store_true", help="a small model and a short session (a smoke run)")
     add_openblas_flag(p)
     p.set_defaults(func=_run)
@@ -56,6 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         draft_path=args.draft,
         repeats=args.repeats,
         host=args.host,
+        answers=args.answers,
     )
     config.serve = dataclasses.replace(
         config.serve, budget_pct=args.budget, slice_tokens=args.slice_tokens
@@ -67,6 +75,11 @@ def _run(args: argparse.Namespace) -> int:
         config.serve = dataclasses.replace(config.serve, model_id="tiny-llama-128x2", block_size=64, prefill_step=128, sparse_threshold=256)
     if args.model:
         config.serve = dataclasses.replace(config.serve, model_id=args.model)
+    if args.system_tokens is not None:
+        config.session = dataclasses.replace(config.session, system_tokens=args.system_tokens)
+    max_tokens = args.max_tokens if args.max_tokens is not None else (12 if args.answers else None)
+    if max_tokens is not None:
+        config.serve = dataclasses.replace(config.serve, max_tokens=max_tokens)
     if args.sparse_threshold is not None:
         config.serve = dataclasses.replace(config.serve, sparse_threshold=args.sparse_threshold)
     if args.host == "omlx":
@@ -81,6 +94,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         report = run_demo(config, progress=progress_to_stderr)
     print(format_table(report))
+    if args.answers:
+        from .answers import format_answers
+
+        print(format_answers(report))
     if args.json:
         report.write_json(args.json)
     if args.plot:

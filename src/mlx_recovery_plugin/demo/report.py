@@ -24,6 +24,8 @@ class TurnResult:
     ttft_s: float
     debt_tokens: int  # served tokens of the previous prompt the host holds no reusable state for
     route: str
+    output_tokens: list[int] = field(default_factory=list)  # the greedy answer
+    answer: str = ""  # the answer as text
 
 
 @dataclass(slots=True)
@@ -54,6 +56,9 @@ class DemoReport:
     # its one line; None (and the line says why) when it could not be measured.
     balance: dict | None = None
     balance_line: str = "cost balance: not measured"
+    # A recall session's (``--answers``): per turn, the room number the passage gives for
+    # the item asked about ("" on the first turn); empty for the agent session.
+    expected: list[str] = field(default_factory=list)
 
     def sparse_turns(self, arm: str) -> int:
         """Turns of ``arm`` the sparse route served, over every repeat."""
@@ -120,6 +125,10 @@ class DemoReport:
         for num, den in (("sparse_recovery", "sparse_off"), ("sparse_recovery", "sparse_on"), ("sparse_on", "sparse_off")):
             med, lo, hi = self.ratio(num, den)
             out["ratios"][f"{num}/{den}"] = {"median": med, "min": lo, "max": hi}
+        if self.expected:
+            from .answers import answers_json
+
+            out["answers"] = answers_json(self)
         return out
 
     def write_json(self, path: str | Path) -> None:
