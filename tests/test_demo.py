@@ -182,3 +182,15 @@ def test_answers_run_shows_each_arms_answers_and_recovery_gives_the_dense_one_ba
     assert re.search(r"later turns, sparse off +: dense answer 2/2 \(100 %\)", text)
     assert "where a prefix was restored 2/2 (100 %)" in text
     assert report.to_json()["answers"]["shares"]["sparse_recovery"]["restored_dense_share"] == 1.0
+
+
+def test_a_session_longer_than_the_models_context_is_named() -> None:
+    from types import SimpleNamespace
+
+    from mlx_recovery_plugin.demo.run import context_note
+
+    turns = build_session(TOY_SESSION, lambda text: list(text.encode()))
+    longest = len(turns[-1].prompt)
+    assert context_note(SimpleNamespace(args=SimpleNamespace(max_position_embeddings=longest)), turns) == ""
+    note = context_note(SimpleNamespace(args=SimpleNamespace(max_position_embeddings=512)), turns)
+    assert note.startswith(f"note: the longest prompt ({longest:,} tokens) is beyond the model's context (512)")

@@ -264,11 +264,13 @@ def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
     """``mlx-recovery demo --host omlx``: the demo's session and report, on real oMLX."""
     from ..runner.blas import describe
     from .report import DemoReport
-    from .run import decode_answers, demo_turns, prepare_models
+    from .run import context_note, decode_answers, demo_turns, prepare_models
 
     say = progress or (lambda line: None)
     models = prepare_models(demo_config)
     turns, expected = demo_turns(demo_config, models.tokenizer)
+    if note := context_note(models.model, turns):
+        say(note)
     config = demo_config.serve
     think_time_s = demo_config.session.think_time_s
     report = DemoReport(

@@ -61,6 +61,19 @@ def demo_turns(config: DemoConfig, tokenizer: Any) -> tuple[list[Turn], list[str
     return [r.turn for r in recall], [r.expected for r in recall]
 
 
+def context_note(model: Any, turns: list[Turn]) -> str:
+    """A line when the session's longest prompt is beyond the context the model was
+    trained for (mlx-lm does not refuse such prompts; the model's answers degrade)."""
+    limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    longest = max(len(t.prompt) for t in turns)
+    if not isinstance(limit, int) or longest <= limit:
+        return ""
+    return (
+        f"note: the longest prompt ({longest:,} tokens) is beyond the model's context ({limit:,}); "
+        f"use --system-tokens and --sparse-threshold to fit it"
+    )
+
+
 def decode_answers(report: DemoReport, tokenizer: Any) -> None:
     """Cut each turn's greedy answer after its first end-of-turn token (the mock host
     generates ``max_tokens`` regardless) and keep its text."""
@@ -91,6 +104,8 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] | None = None) 
         budget_pct=config.serve.budget_pct,
         expected=expected,
     )
+    if note := context_note(models.model, turns):
+        say(note)
     say(f"session: {len(turns)} turns, {len(turns[0].prompt)} to {len(turns[-1].prompt)} tokens; BLAS: {report.blas}")
     attach_balance(report, models.model, len(turns[-1].prompt), say)
     for repeat in range(config.repeats):
