@@ -194,3 +194,19 @@ def test_a_session_longer_than_the_models_context_is_named() -> None:
     assert context_note(SimpleNamespace(args=SimpleNamespace(max_position_embeddings=longest)), turns) == ""
     note = context_note(SimpleNamespace(args=SimpleNamespace(max_position_embeddings=512)), turns)
     assert note.startswith(f"note: the longest prompt ({longest:,} tokens) is beyond the model's context (512)")
+
+
+def test_chat_format_wraps_tool_output_as_user_where_the_template_has_no_tool_role(tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from mlx_recovery_plugin.demo.session import ChatFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    assert ChatFormat.of(tokenizer) == ChatFormat.plain()  # the tiny template is the plain one
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+        "[{{ m['role'] }}]{{ m['content'] }}[end]{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    chat = ChatFormat.of(tokenizer)
+    assert chat.wrap["user"] == ("[user]", "[end]") and chat.wrap["tool"] == chat.wrap["user"]
+    assert chat.generation == "[assistant]"

@@ -69,9 +69,18 @@ class ChatFormat:
     @classmethod
     def of(cls, tokenizer: Any) -> ChatFormat:
         """Read from ``tokenizer``'s chat template by rendering a placeholder message of each
-        role after a system message; the plain format where there is no template."""
+        role after a system message; the plain format where there is no template or it
+        refuses the session's shape. A template without a tool role wraps tool output as
+        a user message."""
         if not getattr(tokenizer, "chat_template", None):
             return cls.plain()
+        try:
+            return cls._read(tokenizer)
+        except Exception:  # noqa: BLE001 - a template's own error (roles, alternation): plain markup
+            return cls.plain()
+
+    @classmethod
+    def _read(cls, tokenizer: Any) -> ChatFormat:
 
         def render(messages: list[dict[str, str]], generation: bool = False) -> str:
             return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation))
@@ -81,7 +90,13 @@ class ChatFormat:
         wrap: dict[str, tuple[str, str]] = {}
         for role in ("system", "user", "assistant", "tool"):
             messages = [{"role": role, "content": _SENTINEL}] if role == "system" else system + [{"role": role, "content": _SENTINEL}]
-            text = render(messages)
+            try:
+                text = render(messages)
+            except Exception:  # the template has no such role
+                if role != "tool":
+                    raise
+                wrap[role] = wrap["user"]
+                continue
             piece = text if role == "system" else text[len(head):]
             if role != "system" and not text.startswith(head):
                 raise ValueError("the chat template does not only append; the demo's session needs it to")
