@@ -173,6 +173,7 @@ def test_answers_run_shows_each_arms_answers_and_recovery_gives_the_dense_one_ba
     (run,) = report.repeats
     assert len(report.expected) == 3 and report.expected[0] == "" and all(report.expected[1:])
     assert all(t.route == "sparse" for t in run["sparse_on"].turns)
+    assert all(len(t.output_tokens) == 6 and t.answer for arm in ARMS for t in run[arm].turns)
     got = shares(report)
     assert (got["sparse_off"].same, got["sparse_off"].of) == (2, 2)
     rec = got["sparse_recovery"]
