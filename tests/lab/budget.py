@@ -204,7 +204,7 @@ def measure_budget(
 
 
 def run_budget_bench(
-    model_dir: Path | None = None,
+    model_dir: str | Path | None = None,
     *,
     pct: float = 10.0,
     window_s: float = 10.0,
@@ -244,7 +244,7 @@ def run_budget_bench(
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="mlx-lm model dir (default: BENCH_TARGET, two float32 llama layers of hidden 4,096, feed-forward 11,008)")
+    parser.add_argument("--model", default=None, metavar="NAME|PATH", help="a fetched model's name (smollm2) or an mlx-lm model dir (default: BENCH_TARGET, two random float32 llama layers of hidden 4,096, feed-forward 11,008)")
     parser.add_argument("--pct", type=float, default=10.0, help="budget cap, percent (default 10)")
     parser.add_argument("--window", type=float, default=10.0, dest="window_s", help="budget window, seconds (default 10, the setting's default)")
     parser.add_argument("--duration", type=float, default=60.0, dest="duration_s", help="idle wall time of the budget run, seconds (default 60)")

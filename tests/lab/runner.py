@@ -106,14 +106,15 @@ def _med(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def load_bench_model(model_dir: Path | None) -> tuple[str, Any]:
-    """The bench model: ``model_dir`` if given (any mlx-lm model), else the default."""
+def load_bench_model(model: str | Path | None) -> tuple[str, Any]:
+    """The bench model: ``model`` if given (a fetched model's name such as ``smollm2``, or
+    any mlx-lm model directory), else the default."""
+    from mlx_recovery_plugin.models.library import resolve_model
     from mlx_recovery_plugin.testing.tiny_model import BENCH_TARGET, cached_model_dir, load_tiny_model
 
-    if model_dir is None:
-        model_dir = cached_model_dir(BENCH_TARGET)
-    model, _ = load_tiny_model(model_dir)
-    return str(model_dir), model
+    model_dir = cached_model_dir(BENCH_TARGET) if model is None else resolve_model(model)
+    loaded, _ = load_tiny_model(model_dir)
+    return str(model if model is not None else model_dir), loaded
 
 
 def bench_tokens(n: int, vocab: int = 256, seed: int = 1) -> list[int]:
@@ -155,7 +156,7 @@ def _measure(fn: Callable[[], Any]) -> tuple[float, int, int, Any]:
 
 
 def run_runner_bench(
-    model_dir: Path | None = None,
+    model_dir: str | Path | None = None,
     *,
     tokens: int = 2048,
     slice_tokens: int = 512,
@@ -241,8 +242,9 @@ def _arrival_waits(
 
 def _configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", type=Path, default=None,
-        help="mlx-lm model dir (default: BENCH_TARGET, two float32 llama layers of hidden 4,096, feed-forward 11,008)")
+    add("--model", default=None, metavar="NAME|PATH",
+        help="a fetched model's name (smollm2) or an mlx-lm model dir (default: BENCH_TARGET, two random "
+        "float32 llama layers of hidden 4,096, feed-forward 11,008)")
     add("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     add("--slice", type=int, default=512, dest="slice_tokens",
         help="tokens per slice and per plain chunk (default 512)")

@@ -124,6 +124,7 @@ class ArmSession:
             ttft_s=float(got.ttft_s or 0.0),
             debt_tokens=debt,
             route=got.route,
+            output_tokens=list(got.output_tokens),
         )
         self.result.turns.append(row)
         self._previous = turn.prompt

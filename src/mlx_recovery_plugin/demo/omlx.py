@@ -104,6 +104,7 @@ def serve(scheduler: Any, request: Any, turn: int = 0, debt: int = 0) -> ServedT
         ttft_s=float(first if first is not None else time.perf_counter() - started),
         debt_tokens=debt,
         route="sparse" if request.specprefill_indices is not None else "dense",
+        output_tokens=list(tokens),
     )
     return ServedTurn(tokens, row)
 
@@ -263,12 +264,13 @@ def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
     """``mlx-recovery demo --host omlx``: the demo's session and report, on real oMLX."""
     from ..runner.blas import describe
     from .report import DemoReport
-    from .run import prepare_models, text_encoder
-    from .session import build_session
+    from .run import context_note, decode_answers, demo_turns, prepare_models
 
     say = progress or (lambda line: None)
     models = prepare_models(demo_config)
-    turns = build_session(demo_config.session, text_encoder(models.tokenizer))
+    turns, expected = demo_turns(demo_config, models.tokenizer)
+    if note := context_note(models.model, turns):
+        say(note)
     config = demo_config.serve
     think_time_s = demo_config.session.think_time_s
     report = DemoReport(
@@ -279,6 +281,7 @@ def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
         sparse_threshold=config.sparse_threshold,
         think_time_s=think_time_s,
         budget_pct=config.budget_pct,
+        expected=expected,
     )
     for repeat in range(demo_config.repeats):
         say(f"[{repeat + 1}/{demo_config.repeats}] serving {len(turns)} turns on the oMLX scheduler, three arms")
@@ -287,4 +290,5 @@ def run_omlx_demo(demo_config: Any, progress: Any = None) -> Any:
             config=config, think_time_s=think_time_s,
         )
         report.repeats.append(results)
+    decode_answers(report, models.tokenizer)
     return report

@@ -24,6 +24,8 @@ class TurnResult:
     ttft_s: float
     debt_tokens: int  # served tokens of the previous prompt the host holds no reusable state for
     route: str
+    output_tokens: list[int] = field(default_factory=list)  # the greedy answer
+    answer: str = ""  # the answer as text
 
 
 @dataclass(slots=True)
@@ -54,6 +56,30 @@ class DemoReport:
     # its one line; None (and the line says why) when it could not be measured.
     balance: dict | None = None
     balance_line: str = "cost balance: not measured"
+    # A recall session's (``--answers``): per turn, the room number the passage gives for
+    # the item asked about ("" on the first turn); empty for the agent session.
+    expected: list[str] = field(default_factory=list)
+
+    def sparse_turns(self, arm: str) -> int:
+        """Turns of ``arm`` the sparse route served, over every repeat."""
+        return sum(t.route == "sparse" for r in self.repeats for t in r[arm].turns)
+
+    @property
+    def sparse_route_applied(self) -> bool:
+        return any(self.sparse_turns(arm) for arm in ARMS if arm != "sparse_off")
+
+    def sparse_note(self) -> str:
+        """One line where the sparse route never applied (else empty): the arms then differ
+        only by noise, and the ratios say nothing about the sparse route or recovery."""
+        if self.sparse_route_applied:
+            return ""
+        longest = max(t.prompt_tokens for r in self.repeats for t in r[ARMS[0]].turns)
+        return (
+            f"THE SPARSE ROUTE NEVER APPLIED: no turn's uncached part was over the sparse threshold "
+            f"({self.sparse_threshold:,} tokens; the longest prompt was {longest:,} tokens), so every arm "
+            f"took the dense route, recovery had nothing to recover, and the ratios below compare "
+            f"dense with dense"
+        )
 
     def foreground(self, arm: str) -> list[float]:
         return [r[arm].foreground_s for r in self.repeats]
@@ -88,6 +114,8 @@ class DemoReport:
             "budget_pct": self.budget_pct,
             "balance": self.balance,
             "balance_line": self.balance_line,
+            "sparse_route_applied": self.sparse_route_applied,
+            "sparse_turns": {arm: self.sparse_turns(arm) for arm in ARMS},
             "repeats": [
                 {arm: asdict(result) | {"foreground_s": result.foreground_s} for arm, result in r.items()}
                 for r in self.repeats
@@ -97,6 +125,10 @@ class DemoReport:
         for num, den in (("sparse_recovery", "sparse_off"), ("sparse_recovery", "sparse_on"), ("sparse_on", "sparse_off")):
             med, lo, hi = self.ratio(num, den)
             out["ratios"][f"{num}/{den}"] = {"median": med, "min": lo, "max": hi}
+        if self.expected:
+            from .answers import answers_json
+
+            out["answers"] = answers_json(self)
         return out
 
     def write_json(self, path: str | Path) -> None:
@@ -111,6 +143,7 @@ def format_table(report: DemoReport) -> str:
         f"| sparse threshold {report.sparse_threshold} | think time {report.think_time_s:g}s "
         f"| recovery budget {report.budget_pct:g}% | repeats {len(report.repeats)}",
         report.balance_line,
+        *([note] if (note := report.sparse_note()) else []),
         "",
         f"{'turn':>4} {'tokens':>7} | {'cached tokens':^22} | {'time to first token (s)':^26} | {'debt at start':^14}",
         f"{'':>4} {'':>7} | {'off':>6} {'on':>6} {'on+rec':>8} | {'off':>7} {'on':>7} {'on+rec':>10} | {'on':>6} {'on+rec':>7}",
@@ -131,6 +164,8 @@ def format_table(report: DemoReport) -> str:
     for num, den in (("sparse_recovery", "sparse_off"), ("sparse_recovery", "sparse_on"), ("sparse_on", "sparse_off")):
         med, lo, hi = report.ratio(num, den)
         lines.append(f"ratio {ARM_TITLES[num]} / {ARM_TITLES[den]}: {med:.3f} (min {lo:.3f}, max {hi:.3f})")
+    if note:
+        lines.append(note)
     rec = [r["sparse_recovery"] for r in report.repeats]
     lines.append(
         f"recovery: {statistics.median(r.recovered_tokens for r in rec):.0f} tokens recovered in "

@@ -1,0 +1,1 @@
+"""Trained models fetched from a package index and converted once into the model cache."""
