@@ -162,5 +162,7 @@ def test_bench_by_name_not_fetched_says_which_command_to_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert main(["bench", "runner", "--no-openblas", "--model", "smollm2"]) == 2
+    from lab.cli import main as lab_main
+
+    assert lab_main(["runner", "--no-openblas", "--model", "smollm2"]) == 2
     assert "run `mlx-recovery models fetch smollm2`" in capsys.readouterr().err

@@ -7,7 +7,8 @@ handler; each check here looks at an option by its name, whichever command has i
 
 - ``--plot FILE``: matplotlib is importable, and FILE's directory exists;
 - ``--json FILE`` (where it names a file): FILE's directory exists;
-- ``--model``, ``--draft``, ``--model-dir``: the directory exists;
+- ``--model``, ``--draft``, ``--model-dir``: the directory exists (``--model`` may also
+  name a known trained model: it is fetched, or the command to fetch it is said);
 - ``--host``: the host the command would drive is installed (``demo`` and ``bench
   faults``: the ``omlx`` package; ``bench server``: the server's console script).
 
@@ -63,8 +64,19 @@ def _model_dirs(args: argparse.Namespace) -> list[str]:
     problems = []
     for attr, flag in MODEL_DIR_OPTIONS.items():
         value = getattr(args, attr, None)
-        if isinstance(value, (str, Path)) and str(value) and not Path(value).expanduser().is_dir():
-            problems.append(f"{flag} {value}: no such directory")
+        if not isinstance(value, (str, Path)) or not str(value) or Path(value).expanduser().is_dir():
+            continue
+        if attr == "model" and isinstance(value, str):
+            from .models.catalog import KNOWN
+            from .models.library import ModelNotFetched, resolve_model
+
+            if value in KNOWN:  # a trained model by name: fetched, or say how to fetch it
+                try:
+                    resolve_model(value)
+                except ModelNotFetched as exc:
+                    problems.append(str(exc))
+                continue
+        problems.append(f"{flag} {value}: no such directory")
     return problems
 
 
