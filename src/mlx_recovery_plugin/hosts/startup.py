@@ -124,6 +124,11 @@ class PostImportFinder:
             self.remove()
         for callback in callbacks:
             _run(callback, module)
+        # A callback may have found nothing more to wait for (an adapter that declines).
+        with self._lock:
+            done = not self._pending
+        if done:
+            self.remove()
 
     def install(self) -> None:
         if self not in sys.meta_path:

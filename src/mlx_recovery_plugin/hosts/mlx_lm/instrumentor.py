@@ -178,7 +178,12 @@ class MlxLmInstrumentor(HostInstrumentor):
 
     def startup_hooks(self) -> dict[str, Callable[[Any], None]]:
         """What the start-up hook waits for: the server module, or under ``-m`` (where it
-        runs as ``__main__``) the prompt cache module it imports first."""
+        runs as ``__main__``) the prompt cache module it imports first. Nothing where the
+        installed mlx-lm is one this adapter does not know (an oMLX or rapid-mlx process
+        pinning an older one): the hook would wait for its server for ever."""
+        if not version_supported(mlx_lm_version()):
+            return {}
+
         def attach(_module: Any) -> None:
             self.instrument()
 
