@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...events import DepartureReason, RequestAdmitted, SparseRouteServed
+from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
 from ..records import EngineBook, LiveRequest, tokens_of_prompt, tokens_of_request
 from ..records import EngineRecord as _EngineRecord
 from .idle_driver import IdleDriver
@@ -115,7 +115,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted = True
+                live.admitted, live.admitted_at = True, self._clock()
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(
@@ -132,7 +132,7 @@ class Lifecycle(EngineBook):
         threshold, keep = sparse_route_settings(request, self.member)
         with record.lock:
             live = record.live.get(request_id)
-            began = live.arrived_at if live is not None else None
+            began = live.prefill_began() if live is not None else None
             first = live.first_token_at if live is not None else None
         if first is None:
             first = self._clock()  # it finished in the step that made its first token
@@ -147,6 +147,22 @@ class Lifecycle(EngineBook):
             keep=keep,
             prefill_s=first - began if began is not None and first is not None else None,
             keyed_beyond_tokens=bool(getattr(request, "vlm_extra_keys_for_cache", None)),
+        )
+
+    def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
+        request = scheduler.running.get(request_id) or scheduler.requests.get(request_id)
+        began = live.prefill_began()
+        if request is None or began is None or live.first_token_at is None:
+            return None
+        sparse = getattr(request, "specprefill_indices", None) is not None
+        return RequestPrefilled(
+            engine_id=record.engine_id,
+            request_id=request_id,
+            model_id=record.port.model_id,
+            tokens=tuple(int(t) for t in (getattr(request, "prompt_token_ids", None) or ())),
+            cached_tokens=int(getattr(request, "cached_tokens", 0) or 0),
+            route=Route.SPARSE if sparse else Route.DENSE,
+            prefill_s=max(0.0, live.first_token_at - began),
         )
 
     # -- steps -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...events import DepartureReason, RequestAdmitted, SparseRouteServed
+from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
 from ..records import EngineBook, EngineRecord, LiveRequest, tokens_of_prompt, tokens_of_request
 from .idle_driver import IdleDriver
 
@@ -105,7 +105,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted = True
+                live.admitted, live.admitted_at = True, self._clock()
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(RequestAdmitted(record.engine_id, rid, cached))
 
@@ -123,7 +123,7 @@ class Lifecycle(EngineBook):
         threshold, keep = pflash_settings(scheduler)
         with record.lock:
             live = record.live.get(request_id)
-            began = live.arrived_at if live is not None else None
+            began = live.prefill_began() if live is not None else None
             first = live.first_token_at if live is not None else None
         if first is None:
             first = self._clock()
@@ -138,6 +138,24 @@ class Lifecycle(EngineBook):
             keep=keep,
             prefill_s=first - began if began is not None else None,
             keyed_beyond_tokens=bool(getattr(request, "is_multimodal", False)),
+        )
+
+    def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
+        request = scheduler.running.get(request_id)
+        began = live.prefill_began()
+        if request is None or began is None or live.first_token_at is None:
+            return None
+        sparse = pflash_compressed(request)
+        tokens = getattr(request, "original_prompt_token_ids", None) if sparse else None
+        tokens = tokens or getattr(request, "prompt_token_ids", None) or ()
+        return RequestPrefilled(
+            engine_id=record.engine_id,
+            request_id=request_id,
+            model_id=record.port.model_id,
+            tokens=tuple(int(t) for t in tokens),
+            cached_tokens=0 if sparse else int(getattr(request, "cached_tokens", 0) or 0),
+            route=Route.SPARSE if sparse else Route.DENSE,
+            prefill_s=max(0.0, live.first_token_at - began),
         )
 
     # -- steps -------------------------------------------------------------------------
