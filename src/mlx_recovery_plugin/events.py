@@ -95,8 +95,10 @@ class RequestPrefilled:
 
     ``tokens`` is the prompt (empty where the host did not say), ``cached_tokens`` what the
     host restored from its prefix cache, ``route`` how it prefilled the rest, and
-    ``prefill_s`` the seconds from the request's admission (not its arrival: a wait
-    behind other requests is not the prefill's cost) to its first token.
+    ``prefill_s`` the seconds to its first token: from the start of the step that admitted
+    it on the dense route (a wait behind other requests is not the prefill's cost), from
+    its arrival on the sparse route (as ``SparseRouteServed`` times it: oMLX's draft
+    scores the prompt before the admission the adapter sees).
     """
 
     engine_id: str

@@ -67,7 +67,7 @@ def request_admitted(event: RequestAdmitted) -> None:
 @hookspec
 def request_prefilled(event: RequestPrefilled) -> None:
     """A request's prefill ended (its first token came): by which route, over how many
-    cached tokens, in how many seconds from admission.
+    cached tokens, in how many seconds (see :class:`~.events.RequestPrefilled`).
 
     Thread: the engine thread, after the step that produced the token. Must be cheap.
     Recovery compares what a turn really cost with what its publish policy predicted,

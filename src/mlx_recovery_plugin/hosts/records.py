@@ -99,6 +99,10 @@ class EngineBook:
         this host does not say)."""
         return None
 
+    def now(self) -> float:
+        """The adapter's clock (the one every request time is read on)."""
+        return self._clock()
+
     # -- engines -----------------------------------------------------------------------
 
     def get(self, scheduler: Any) -> Any:

@@ -103,7 +103,7 @@ class Lifecycle(EngineBook):
         for rid in gone:
             self.depart(record, rid, reason)
 
-    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str]) -> None:
+    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str], began: float | None = None) -> None:
         """Report the requests of ``before`` (waiting a moment ago) now running or prefilling."""
         if not before:
             return
@@ -115,7 +115,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted, live.admitted_at = True, self._clock()
+                live.admitted, live.admitted_at = True, began if began is not None else self._clock()
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(
@@ -132,7 +132,9 @@ class Lifecycle(EngineBook):
         threshold, keep = sparse_route_settings(request, self.member)
         with record.lock:
             live = record.live.get(request_id)
-            began = live.prefill_began() if live is not None else None
+            # From arrival: oMLX's sparse route scores the prompt with its draft before the
+            # admission step this adapter sees, and that is part of the route's cost.
+            began = live.arrived_at if live is not None else None
             first = live.first_token_at if live is not None else None
         if first is None:
             first = self._clock()  # it finished in the step that made its first token
@@ -151,10 +153,10 @@ class Lifecycle(EngineBook):
 
     def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
         request = scheduler.running.get(request_id) or scheduler.requests.get(request_id)
-        began = live.prefill_began()
+        sparse = getattr(request, "specprefill_indices", None) is not None
+        began = live.arrived_at if sparse else live.prefill_began()
         if request is None or began is None or live.first_token_at is None:
             return None
-        sparse = getattr(request, "specprefill_indices", None) is not None
         return RequestPrefilled(
             engine_id=record.engine_id,
             request_id=request_id,
