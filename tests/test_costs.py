@@ -95,8 +95,8 @@ def test_a_partial_prefix_that_would_make_the_next_turn_slower_is_held_back() ->
     assert verdict(model, 9216, sparse_s=5.0) is Verdict.PUBLISH
 
 
-def test_attention_bound_model_stands_down_and_says_why() -> None:
-    model = fitted(**ATTENTION_BOUND)
+def test_attention_bound_model_stands_down_and_says_why_once_measured_near_the_next_turn() -> None:
+    model = fitted(**ATTENTION_BOUND, contexts=(0, 2048, 4096, 6144, 8192, 8704))
     decision = decide(
         model, boundary=9216, full_boundary=9216, next_tokens=9800, threshold=8192, keep=0.2,
         measured=SparseSample(9200, 4.0),
@@ -104,6 +104,50 @@ def test_attention_bound_model_stands_down_and_says_why() -> None:
     assert decision.verdict is Verdict.STAND_DOWN
     assert "costs more than a sparse rerun" in decision.reason
     assert decision.dense_s > decision.sparse_s
+
+
+def test_evidence_from_short_contexts_alone_never_stands_a_job_down() -> None:
+    """Issue 18's run B: a fit on contexts up to ~3.5k, extrapolated 3-4x, stood a job down
+    for good. Beyond the evidence only a lower bound is known: the job is held, and goes on
+    to where its own slices measure the cost."""
+    model = fitted(**ATTENTION_BOUND)  # contexts up to 1.5k
+    full = decide(
+        model, boundary=9216, full_boundary=9216, next_tokens=9800, threshold=8192, keep=0.2,
+        measured=SparseSample(9200, 4.0),
+    )
+    assert full.verdict is Verdict.HOLD and "not yet clear" in full.reason
+    assert verdict(model, 2048, sparse_s=4.0) is Verdict.HOLD
+    estimate = model.estimate(584, 9216)
+    assert estimate is not None and not estimate.supported and estimate.high == float("inf")
+    assert 0 < estimate.low < estimate.mid
+
+
+def test_a_burst_of_load_cannot_outvote_a_quiet_sample_of_the_same_context() -> None:
+    quiet = fitted(**MATMUL_BOUND)
+    model = DenseCostModel()
+    a, b = MATMUL_BOUND["a"], MATMUL_BOUND["b"]
+    for c in (0, 512, 1024, 1536):
+        seconds = a * 512 + b * (512 * c + 512 * 512 / 2)
+        for _ in range(5):
+            model.observe(c, 512, 3.0 * seconds)  # the machine was loaded for a while
+        model.observe(c, 512, seconds)  # then one quiet slice
+    assert model.seconds(600, 1800) == pytest.approx(quiet.seconds(600, 1800), rel=1e-6)
+    evidence = model.evidence
+    model.observe(1024, 512, 10.0)  # a slow sample changes nothing the model says
+    assert model.evidence == evidence
+
+
+def test_a_host_dense_append_near_the_next_turn_extends_the_evidence() -> None:
+    from mlx_recovery_plugin.recovery.costs import Source
+
+    model = fitted(**ATTENTION_BOUND)
+    assert not model.estimate(584, 9216).supported
+    a, b = ATTENTION_BOUND["a"], ATTENTION_BOUND["b"]
+    evidence = model.evidence
+    model.observe(9000, 700, a * 700 + b * (700 * 9000 + 700 * 350), Source.HOST)
+    assert model.evidence > evidence and model.host_samples == 1
+    estimate = model.estimate(584, 9216)
+    assert estimate.supported and estimate.mid == pytest.approx(a * 584 + b * (584 * 9216 + 584 * 292), rel=0.02)
 
 
 def test_while_learning_a_partial_prefix_is_held_and_a_full_one_published() -> None:

@@ -22,6 +22,9 @@ class Life:
     def get(self, scheduler: Any) -> Any:
         return self.record
 
+    def now(self) -> float:
+        return 0.0
+
     def safe(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
@@ -35,7 +38,7 @@ class Life:
     def depart(self, record: Any, rid: str, reason: DepartureReason) -> None:
         self.departed.append(rid)
 
-    def admitted(self, record: Any, scheduler: Any, before: list[str]) -> None:
+    def admitted(self, record: Any, scheduler: Any, before: list[str], began: float | None = None) -> None:
         self.admissions.append(before)
 
 

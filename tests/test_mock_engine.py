@@ -435,7 +435,8 @@ def test_time_to_first_token_uses_the_injected_clock(llama: Any) -> None:
     ticks = iter(range(100))
     host = make_host()
     add(host, "e", llama, clock=lambda: float(next(ticks)))
-    assert serve(host, "e", contract_tokens(100, seed=28)).ttft_s == 1.0
+    # The clock is read at submission (0), admission (1) and the first token (2).
+    assert serve(host, "e", contract_tokens(100, seed=28)).ttft_s == 2.0
 
 
 def test_idle_steps_count_up_per_engine_and_reset_after_work(llama: Any) -> None:

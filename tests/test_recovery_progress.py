@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mlx_recovery_plugin.events import SparseRouteServed
+from mlx_recovery_plugin.events import RequestPrefilled, Route, SparseRouteServed
 from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
@@ -72,6 +72,12 @@ class Rig:
         self.host.pm.hook.sparse_route_served(event=SparseRouteServed(
             "e", f"r{len(prompt)}", MODEL, tuple(prompt), 0, len(prompt),
             threshold=threshold, keep=0.2, prefill_s=prefill_s,
+        ))
+
+    def prefilled(self, prompt: Sequence[int], *, cached: int, route: Route, seconds: float) -> None:
+        """Report the host's prefill of ``prompt`` (as an adapter would, at its first token)."""
+        self.host.pm.hook.request_prefilled(event=RequestPrefilled(
+            "e", f"p{len(prompt)}-{cached}", MODEL, tuple(prompt), cached, route, seconds,
         ))
 
     def idle(self, until: float) -> None:
@@ -277,6 +283,87 @@ def test_a_new_turn_lifts_a_stand_down_for_a_fresh_judgement(rigs) -> None:
     rig.served(longer, threshold=5000, prefill_s=60.0)  # now the sparse route is slow
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(longer) == 1152
+
+
+def test_a_stand_down_is_revisited_when_the_host_measures_its_sparse_route_again(rigs) -> None:
+    """No new turn, only new evidence: the conversation was asked again and the sparse
+    route took 60 s this time; the stood-down job is judged again and recovered."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(21, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)
+    rig.idle(until=rig.clock() + 100.0)
+    (job,) = rig.status()["jobs"]
+    assert job["stood_down"] and rig.restorable(prompt) == 0
+    rig.prefilled(prompt, cached=0, route=Route.SPARSE, seconds=60.0)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(prompt) == 960
+    assert rig.status()["counters"]["jobs_stood_down"] == 1
+
+
+def test_evidence_that_changes_nothing_costs_no_slice(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(22, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)
+    rig.idle(until=rig.clock() + 100.0)
+    slices = rig.status()["counters"]["slices"]
+    for _ in range(5):
+        rig.engine.offer_idle_step()
+    assert rig.status()["counters"]["slices"] == slices, "a stand-down is not re-run without new evidence"
+
+
+def test_a_new_turn_measures_the_machine_once_before_its_verdict(rigs) -> None:
+    """The first slice after a new turn runs whatever the old evidence said, so a stand
+    down taken on a loaded machine is re-taken on today's; one slice, not more."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(23, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)
+    rig.idle(until=rig.clock() + 100.0)
+    slices = rig.status()["counters"]["slices"]
+    rig.served(prompt + random_tokens(24, 200), threshold=5000, prefill_s=0.5)  # still cheap
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["counters"]["slices"] == slices + 1
+    assert status["jobs"][0]["stood_down"] and status["jobs"][0]["held_tokens"] == 0
+
+
+def test_the_host_dense_turn_after_a_publication_is_learned_and_checked(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(25, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=60.0)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(prompt) == 960
+    policy = rig.status()["policy"]
+    assert policy["verdict"] == "publish" and policy["host_dense_samples"] == 0
+    nxt = prompt + random_tokens(26, 300)
+    rig.prefilled(nxt, cached=960, route=Route.DENSE, seconds=3.4)
+    policy = rig.status()["policy"]
+    assert policy["host_dense_samples"] == 1 and policy["host_turns_learned"] == 1
+    turn = policy["last_turn_after_publication"]
+    assert turn["cached_tokens"] == 960 and turn["prefill_s"] == 3.4
+    assert turn["predicted_s"] is not None and turn["paid"] is True
+
+
+def test_the_conversation_whose_recovery_saves_most_is_worked_first_not_the_latest(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    slow, cheap = random_tokens(27, PROMPT), random_tokens(28, PROMPT)
+    rig.served(slow, threshold=5000, prefill_s=60.0)  # its next sparse turn costs a minute
+    rig.served(cheap, threshold=5000, prefill_s=12.0)  # served later, saves less
+    slow_id, _ = sorted(job["job_id"] for job in rig.status()["jobs"])  # ids in serving order
+    rig.engine.offer_idle_step()
+    assert rig.status()["live_job_id"] == slow_id
+    rig.idle(until=rig.clock() + 300.0)
+    assert rig.restorable(slow) == 960 and rig.restorable(cheap) == 960
+
+
+def test_a_conversation_long_gone_yields_to_one_just_served(rigs) -> None:
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    old, new = random_tokens(29, PROMPT), random_tokens(30, PROMPT)
+    rig.served(old, threshold=5000, prefill_s=30.0)
+    rig.clock.advance(3600.0)  # an hour later: unlikely to come back soon
+    rig.served(new, threshold=5000, prefill_s=20.0)
+    new_id = max(job["job_id"] for job in rig.status()["jobs"])
+    rig.engine.offer_idle_step()
+    assert rig.status()["live_job_id"] == new_id
 
 
 def test_a_request_keyed_by_more_than_its_tokens_gets_no_job_and_is_counted(rigs) -> None:

@@ -82,6 +82,34 @@ class SparseRouteServed:
             )
 
 
+class Route(str, Enum):
+    """How the host prefilled a request."""
+
+    DENSE = "dense"
+    SPARSE = "sparse"
+
+
+@dataclass(slots=True, frozen=True)
+class RequestPrefilled:
+    """A request's prefill ended with its first token: what the host did and what it cost.
+
+    ``tokens`` is the prompt (empty where the host did not say), ``cached_tokens`` what the
+    host restored from its prefix cache, ``route`` how it prefilled the rest, and
+    ``prefill_s`` the seconds to its first token: from the start of the step that admitted
+    it on the dense route (a wait behind other requests is not the prefill's cost), from
+    its arrival on the sparse route (as ``SparseRouteServed`` times it: oMLX's draft
+    scores the prompt before the admission the adapter sees).
+    """
+
+    engine_id: str
+    request_id: str
+    model_id: str
+    tokens: tuple[int, ...]
+    cached_tokens: int
+    route: Route
+    prefill_s: float
+
+
 @dataclass(slots=True, frozen=True)
 class IdleStep:
     """The engine has nothing queued and is offering the plugin one idle step.

@@ -28,6 +28,7 @@ from .events import (
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
+    RequestPrefilled,
     SparseRouteServed,
 )
 from .ports import EnginePort
@@ -61,6 +62,17 @@ def request_arrived(event: RequestArrived) -> None:
 @hookspec
 def request_admitted(event: RequestAdmitted) -> None:
     """The engine took the request from waiting to running. Thread: the engine thread."""
+
+
+@hookspec
+def request_prefilled(event: RequestPrefilled) -> None:
+    """A request's prefill ended (its first token came): by which route, over how many
+    cached tokens, in how many seconds (see :class:`~.events.RequestPrefilled`).
+
+    Thread: the engine thread, after the step that produced the token. Must be cheap.
+    Recovery compares what a turn really cost with what its publish policy predicted,
+    and learns the host's own dense appends from it. Idempotent per request.
+    """
 
 
 @hookspec

@@ -34,6 +34,7 @@ from .events import (
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
+    RequestPrefilled,
     SparseRouteServed,
 )
 from .hookspecs import PROJECT_NAME
@@ -176,6 +177,9 @@ class HookEmitter:
 
     def request_departed(self, event: RequestDeparted) -> None:
         self.emit("request_departed", event=event)
+
+    def request_prefilled(self, event: RequestPrefilled) -> None:
+        self.emit("request_prefilled", event=event)
 
     def request_aborted(self, engine_id: str, request_id: str) -> None:
         self.emit("request_aborted", engine_id=engine_id, request_id=request_id)

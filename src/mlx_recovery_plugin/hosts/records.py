@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..events import DepartureReason, RequestArrived, RequestDeparted
+from ..events import DepartureReason, RequestArrived, RequestDeparted, RequestPrefilled
 
 if TYPE_CHECKING:
     from ..plugins import HookEmitter
@@ -40,7 +40,12 @@ class LiveRequest:
     in_scheduler: bool = False
     admitted: bool = False
     arrived_at: float | None = None
+    admitted_at: float | None = None
     first_token_at: float | None = None
+
+    def prefill_began(self) -> float | None:
+        """When its prefill began: its admission, else (not seen) its arrival."""
+        return self.admitted_at if self.admitted_at is not None else self.arrived_at
 
 
 @dataclass(slots=True)
@@ -88,6 +93,15 @@ class EngineBook:
 
     def _log_attached(self, record: Any) -> None:
         """Log, once attached, what the engine offers recovery."""
+
+    def prefill_event(self, record: Any, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
+        """The ``request_prefilled`` event of a request whose first token just came (None:
+        this host does not say)."""
+        return None
+
+    def now(self) -> float:
+        """The adapter's clock (the one every request time is read on)."""
+        return self._clock()
 
     # -- engines -----------------------------------------------------------------------
 
@@ -182,6 +196,7 @@ class EngineBook:
         if not waiting:
             return
         now = self._clock()
+        prefilled = []
         for rid in waiting:
             request = scheduler.running.get(rid)
             if request is None or not getattr(request, "output_token_ids", None):
@@ -190,6 +205,11 @@ class EngineBook:
                 live = record.live.get(rid)
                 if live is not None and live.first_token_at is None:
                     live.first_token_at = now
+                    prefilled.append((rid, LiveRequest(**{f: getattr(live, f) for f in LiveRequest.__dataclass_fields__})))
+        for rid, seen in prefilled:
+            event = self.safe(self.prefill_event, record, scheduler, rid, seen)
+            if event is not None:
+                self.emitter.request_prefilled(event)
 
     def sweep(self, record: Any, scheduler: Any, reason: DepartureReason) -> None:
         """Report departures the host made without a method of its own."""

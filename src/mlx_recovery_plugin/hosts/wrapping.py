@@ -39,9 +39,11 @@ def scheduler_schedule_waiting(life: Any, original: Fn, originals: Mapping[str, 
     def _schedule_waiting(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         record = life.get(scheduler)
         before = (life.safe(_waiting_ids, scheduler) or []) if record is not None else []
+        # oMLX prefills inside admission: a request's prefill begins when this call does.
+        began = life.now() if before else None
         result = original(scheduler, *args, **kwargs)
         if record is not None and before:
-            life.safe(life.admitted, record, scheduler, before)
+            life.safe(life.admitted, record, scheduler, before, began)
         return result
 
     return _schedule_waiting

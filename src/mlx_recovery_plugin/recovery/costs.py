@@ -10,13 +10,16 @@ finished blocks back, or stand down:
 
 * :class:`DenseCostModel` learns the seconds of a dense pass of ``n`` tokens on top of
   ``c`` cached ones, ``a*n + b*(n*c + n*n/2)`` (matrix products per token, plus attention
-  per token per attended position), by least squares over the recovery slices themselves:
-  the same model, on the same machine, as the host's dense route.
+  per token per attended position), from the recovery slices themselves and from the
+  host's own dense appends (the same model, on the same machine), each context band
+  speaking through its quietest sample; :meth:`DenseCostModel.estimate` bounds an answer
+  by where the evidence lies, and has no upper bound beyond it.
 * :func:`sparse_rerun_seconds`: the host's measured sparse prefill time, scaled to the
   next turn's length; without a measurement, the target's share of it (the kept tokens'
   dense prefill), which leaves out the draft and so errs towards the sparse route.
 * :func:`decide` compares the next turn's dense append over the prefix that publication
-  would leave with the sparse rerun.
+  would leave with the sparse rerun: it publishes what surely pays, stands down only when
+  even the full prefix is confidently slower, and otherwise holds for more evidence.
 
 Threads: a :class:`DenseCostModel` belongs to one engine's recovery service and is used on
 its engine thread only (the status copies its coefficients under the service's lock).
@@ -39,6 +42,12 @@ DEFAULT_APPEND_TOKENS = 512
 MIN_SAMPLES = 3
 # Slices remembered; old ones fall out as the machine's load changes.
 MAX_SAMPLES = 64
+# Recent samples a context band keeps (its quietest speaks for it).
+BAND_SAMPLES = 8
+# The smallest relative scatter an estimate is given (timings are never exact).
+MIN_SCATTER = 0.05
+# How far past the furthest band seen an estimate still counts as supported.
+SUPPORT_REACH = 1.25
 
 
 class Verdict(str, Enum):
@@ -63,18 +72,82 @@ class SparseSample:
     seconds: float
 
 
+class Source(str, Enum):
+    """Where a dense-cost sample came from."""
+
+    SLICE = "slice"  # a recovery slice at its job's frontier
+    HOST = "host"  # the host's own cached dense append of a turn, seen through the adapter
+
+
+@dataclass(slots=True, frozen=True)
+class Estimate:
+    """Seconds of a dense pass, with the uncertainty of where the evidence lies.
+
+    ``low`` and ``high`` bound it; ``high`` is infinite where the pass attends further
+    than any sample did (``supported`` False): what attention costs there is not known."""
+
+    low: float
+    mid: float
+    high: float
+    supported: bool
+
+
+@dataclass(slots=True)
+class _Band:
+    """Recent samples whose tokens attend over about the same positions, as (per-token
+    rate, mean attended position); the fastest speaks for the band (load only ever slows
+    a pass down)."""
+
+    samples: deque[tuple[float, float]]
+
+    @property
+    def quiet(self) -> float:
+        return min(rate for rate, _ in self.samples)
+
+    @property
+    def at(self) -> float:
+        return min(self.samples)[1]
+
+
 class DenseCostModel:
-    """Seconds of a dense pass, fitted to slices: ``a*n + b*(n*c + n*n/2)``."""
+    """Seconds of a dense pass of ``n`` tokens over ``c`` cached ones:
+    ``n * (a + b * (c + n/2))``, fitted to the quietest sample of each context band.
+
+    Every sample, a recovery slice's or one of the host's own dense appends, is a per-token
+    rate at its mean attended position ``c + n/2``. Samples are grouped into bands of
+    attended positions (a quarter octave each), and each band speaks through its fastest
+    recent sample: a burst of load on the machine slows some samples and never speeds one
+    up, so it cannot make the model think the machine is slower than it is once a quiet
+    sample has been seen there, and a band whose samples were all taken under load is
+    corrected by its next quiet one. :meth:`estimate` says how far to trust an answer: near
+    the bands seen, the bands' scatter around the fit; beyond them, only a lower bound
+    (cost never falls as context grows) and no upper one.
+    """
 
     def __init__(self, max_samples: int = MAX_SAMPLES) -> None:
-        self._samples: deque[tuple[int, int, float]] = deque(maxlen=max_samples)
+        self._samples: deque[tuple[int, int, float, Source]] = deque(maxlen=max_samples)
+        self._bands: dict[int, _Band] = {}
         self._coefficients: tuple[float, float] | None = None
+        #: Grows whenever the evidence changes what the model says (a new band, a faster
+        #: sample in one): a verdict taken on older evidence may be revisited.
+        self.evidence = 0
 
-    def observe(self, context: int, tokens: int, seconds: float) -> None:
+    def observe(self, context: int, tokens: int, seconds: float, source: Source = Source.SLICE) -> None:
         """A dense pass of ``tokens`` on top of ``context`` cached tokens took ``seconds``."""
         if tokens <= 0 or context < 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        self._samples.append((int(context), int(tokens), float(seconds)))
+        self._samples.append((int(context), int(tokens), float(seconds), source))
+        at = context + tokens / 2.0
+        key = round(4 * math.log2(1.0 + at / 128.0))
+        band = self._bands.get(key)
+        if band is None:
+            self._bands[key] = _Band(deque([(seconds / tokens, at)], maxlen=BAND_SAMPLES))
+            self.evidence += 1
+        else:
+            before = band.quiet
+            band.samples.append((seconds / tokens, at))
+            if band.quiet != before:
+                self.evidence += 1
         self._coefficients = None
 
     @property
@@ -82,9 +155,18 @@ class DenseCostModel:
         return len(self._samples)
 
     @property
+    def host_samples(self) -> int:
+        return sum(1 for *_, source in self._samples if source is Source.HOST)
+
+    @property
     def fitted(self) -> bool:
-        contexts = {c for c, _, _ in self._samples}
+        contexts = {c for c, *_ in self._samples}
         return len(self._samples) >= MIN_SAMPLES and len(contexts) >= MIN_SAMPLES
+
+    @property
+    def support(self) -> float:
+        """The furthest mean attended position any band has seen (0 with no samples)."""
+        return max((band.at for band in self._bands.values()), default=0.0)
 
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token, and per token per attended position; None until
@@ -92,48 +174,69 @@ class DenseCostModel:
         if not self.fitted:
             return None
         if self._coefficients is None:
-            self._coefficients = _fit(self._samples)
+            self._coefficients = _fit([(band.at, band.quiet) for band in self._bands.values()])
         return self._coefficients
 
     def seconds(self, tokens: int, context: int) -> float | None:
+        """The fit's answer (see :meth:`estimate` for how far to trust it)."""
         coefficients = self.coefficients()
         if coefficients is None:
             return None
         return _pass_seconds(coefficients, tokens, context)
 
+    def scatter(self) -> float:
+        """The bands' relative scatter around the fit (at least :data:`MIN_SCATTER`)."""
+        coefficients = self.coefficients()
+        if coefficients is None or len(self._bands) < 2:
+            return MIN_SCATTER
+        a, b = coefficients
+        errors = [((band.quiet - (a + b * band.at)) / max(band.quiet, 1e-12)) ** 2 for band in self._bands.values()]
+        return max(MIN_SCATTER, math.sqrt(sum(errors) / len(errors)))
 
-def _features(tokens: int, context: int) -> tuple[float, float]:
-    return float(tokens), tokens * context + tokens * tokens / 2.0
+    def estimate(self, tokens: int, context: int) -> Estimate | None:
+        """Seconds of ``tokens`` over ``context`` cached tokens, bounded; None until fitted."""
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return None
+        if tokens <= 0:
+            return Estimate(0.0, 0.0, 0.0, True)
+        a, b = coefficients
+        mid = _pass_seconds(coefficients, tokens, context)
+        spread = 2.0 * self.scatter()
+        top = self.support
+        if context + tokens / 2.0 <= SUPPORT_REACH * top:
+            return Estimate(max(0.0, mid * (1.0 - spread)), mid, mid * (1.0 + spread), True)
+        # Beyond the evidence: a token costs at least what one at the furthest band did.
+        low = tokens * (a + b * top) * max(0.0, 1.0 - spread)
+        return Estimate(low, mid, math.inf, False)
 
 
 def _pass_seconds(coefficients: tuple[float, float], tokens: int, context: int) -> float:
     if tokens <= 0:
         return 0.0
-    x1, x2 = _features(tokens, context)
-    return coefficients[0] * x1 + coefficients[1] * x2
+    a, b = coefficients
+    return tokens * (a + b * (context + tokens / 2.0))
 
 
-def _fit(samples: deque[tuple[int, int, float]]) -> tuple[float, float]:
-    """Least squares for two non-negative coefficients (a tiny active-set solve)."""
-    s11 = s12 = s22 = t1 = t2 = 0.0
-    for context, tokens, seconds in samples:
-        x1, x2 = _features(tokens, context)
-        s11 += x1 * x1
-        s12 += x1 * x2
-        s22 += x2 * x2
-        t1 += x1 * seconds
-        t2 += x2 * seconds
-    det = s11 * s22 - s12 * s12
-    if det > 1e-12 * s11 * s22:
-        a = (t1 * s22 - t2 * s12) / det
-        b = (t2 * s11 - t1 * s12) / det
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of ``rate = a + b * at`` for two non-negative coefficients (a tiny
+    active-set solve)."""
+    n = float(len(points))
+    sx = sum(x for x, _ in points)
+    sxx = sum(x * x for x, _ in points)
+    sy = sum(y for _, y in points)
+    sxy = sum(x * y for x, y in points)
+    det = n * sxx - sx * sx
+    if det > 1e-12 * max(1.0, n * sxx):
+        a = (sy * sxx - sx * sxy) / det
+        b = (n * sxy - sx * sy) / det
         if a >= 0 and b >= 0:
             return a, b
     # One coefficient at 0: keep whichever single-term fit explains more.
-    a_only = t1 / s11 if s11 else 0.0
-    b_only = t2 / s22 if s22 else 0.0
-    resid_a = -(t1 * a_only)  # residual sum of squares minus the constant sum(t^2)
-    resid_b = -(t2 * b_only)
+    a_only = sy / n if n else 0.0
+    b_only = sxy / sxx if sxx else 0.0
+    resid_a = sum((y - a_only) ** 2 for _, y in points)
+    resid_b = sum((y - b_only * x) ** 2 for x, y in points)
     return (max(a_only, 0.0), 0.0) if resid_a <= resid_b else (0.0, max(b_only, 0.0))
 
 
@@ -177,29 +280,45 @@ def decide(
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         return Decision(Verdict.PUBLISH, f"next turn stays sparse ({uncached} uncached > {threshold})")
-    dense = model.seconds(uncached, boundary)
+    dense = model.estimate(uncached, boundary)
     sparse = sparse_rerun_seconds(model, next_tokens, keep, measured)
     if dense is None or sparse is None:
         if boundary >= full_boundary:
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")
         return Decision(Verdict.HOLD, "learning the dense cost before a partial prefix is published")
-    if dense <= margin * sparse:
+    if dense.high <= margin * sparse:
         return Decision(
-            Verdict.PUBLISH, f"dense append {dense:.2f} s < sparse rerun {sparse:.2f} s", dense, sparse
+            Verdict.PUBLISH, f"dense append {dense.mid:.2f} s (at most {dense.high:.2f}) < sparse rerun "
+            f"{sparse:.2f} s", dense.mid, sparse,
         )
-    full_dense = model.seconds(max(0, next_tokens - full_boundary), full_boundary) or 0.0
-    if boundary < full_boundary and full_dense <= margin * sparse:
+    full = model.estimate(max(0, next_tokens - full_boundary), full_boundary)
+    assert full is not None  # fitted, as dense is
+    if full.low > sparse:
+        # Confidently slower: even the cheapest reading of the evidence loses to sparse.
         return Decision(
-            Verdict.HOLD,
-            f"a {boundary}-token prefix would make the next turn dense ({dense:.2f} s) and slower "
-            f"than sparse ({sparse:.2f} s); holding until {full_boundary}",
-            dense,
+            Verdict.STAND_DOWN,
+            f"a cached dense append ({full.mid:.2f} s, at least {full.low:.2f}) costs more than a "
+            f"sparse rerun ({sparse:.2f} s) on this model and machine",
+            full.mid,
             sparse,
         )
+    if boundary < full_boundary:
+        why = (
+            f"would make the next turn dense ({dense.mid:.2f} s, up to {dense.high:.2f}) and maybe slower than "
+            f"sparse ({sparse:.2f} s)" if dense.supported else
+            f"would make the next turn dense over {boundary} tokens, beyond what was measured"
+        )
+        return Decision(Verdict.HOLD, f"a {boundary}-token prefix {why}; holding until {full_boundary}",
+                        dense.mid, sparse)
+    if dense.mid <= margin * sparse:
+        return Decision(
+            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s < sparse rerun {sparse:.2f} s",
+            dense.mid, sparse,
+        )
     return Decision(
-        Verdict.STAND_DOWN,
-        f"a cached dense append ({full_dense:.2f} s) costs more than a sparse rerun "
-        f"({sparse:.2f} s) on this model and machine",
-        full_dense,
+        Verdict.HOLD,
+        f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {sparse:.2f} s "
+        "is not yet clear either way; held for more evidence",
+        dense.mid,
         sparse,
     )

@@ -28,6 +28,7 @@ its own lock; the book itself is not thread-safe.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -99,6 +100,11 @@ class RecoveryJob:
     tokens_recovered: int = 0
     held: list[BlockState] = field(default_factory=list, repr=False)
     stood_down: str | None = None
+    #: The cost model's evidence when the job stood down: more evidence reopens it.
+    stood_down_evidence: int = 0
+    #: A turn arrived since the last slice: the next slice runs before any stand-down, so
+    #: the verdict is taken on a measurement of today's machine at the job's frontier.
+    fresh_turn: bool = False
 
     # -- queries ---------------------------------------------------------------------
 
@@ -143,6 +149,7 @@ class RecoveryJob:
         self.committed = max(self.committed, canonical)
         self.drop_held_below(self.committed, block_size)
         self.stood_down = None
+        self.fresh_turn = True
         self.served_seq = seq
 
     def asked_again(self, served_end: int, seq: int) -> None:
@@ -183,12 +190,22 @@ class RecoveryJob:
     def held_bytes(self) -> int:
         return sum(block.nbytes for block in self.held)
 
-    def stand_down(self, reason: str) -> bool:
-        """Stop working on the job: no prefix of it would pay. True the first time."""
+    def stand_down(self, reason: str, evidence: int = 0) -> bool:
+        """Stop working on the job: no prefix of it would pay, on the cost model's
+        ``evidence``. True the first time."""
         first = self.stood_down is None
         self.stood_down = reason
+        self.stood_down_evidence = evidence
         self.held = []
         return first
+
+    def reconsider(self, evidence: int) -> bool:
+        """The cost model learned more since the job stood down: judge it again (before
+        any slice runs). True if it was reopened."""
+        if self.stood_down is None or evidence <= self.stood_down_evidence:
+            return False
+        self.stood_down = None
+        return True
 
     def park(self, now: float, *, base_s: float, max_s: float) -> None:
         """Back off after a fault, doubling the wait per fault in a row."""
@@ -196,8 +213,9 @@ class RecoveryJob:
         self.parked_until = now + min(max_s, base_s * 2 ** (self.attempts - 1))
 
     def progressed(self) -> None:
-        """A slice ran whole: the faults in a row are over."""
+        """A slice ran whole: the faults in a row are over, and the turn is measured."""
         self.attempts, self.parked_until = 0, None
+        self.fresh_turn = False
 
     def drop_held_below(self, boundary: int, block_size: int) -> None:
         """Forget held blocks the host now restores by itself (below ``boundary``)."""
@@ -233,6 +251,9 @@ class JobBook:
         self.block_size = block_size
         self.max_jobs = max_jobs
         self._jobs: dict[int, RecoveryJob] = {}
+        # Jobs recovered in full, most recent last: their conversations' next turns are
+        # what the publish policy checks its predictions against.
+        self._finished: deque[RecoveryJob] = deque(maxlen=max_jobs)
         self._ids = itertools.count(1)
         self._seq = itertools.count(1)
 
@@ -244,6 +265,10 @@ class JobBook:
     def __iter__(self) -> Iterator[RecoveryJob]:
         """Jobs in working order: most recently served first."""
         return iter(sorted(self._jobs.values(), key=lambda j: j.served_seq, reverse=True))
+
+    def runnable(self, now: float) -> list[RecoveryJob]:
+        """The jobs that may run now, most recently served first."""
+        return [job for job in self if job.runnable(now, self.block_size)]
 
     def next_runnable(self, now: float) -> RecoveryJob | None:
         """The job to work on now: the most recently served one that is not parked."""
@@ -307,12 +332,33 @@ class JobBook:
         dropped.extend(self._enforce_bound())
         return Offer(relation, job, dropped)
 
+    def conversation_of(self, tokens: Sequence[int]) -> RecoveryJob | None:
+        """The job, on the book or recently finished, whose conversation ``tokens``
+        continues (or asks again), if any."""
+        known: list[RecoveryJob] = [*self, *reversed(self._finished)]
+        for job in known:
+            if relate(job.tokens, tokens, self.block_size) in (Relation.EXTENDS, Relation.CONTAINED):
+                return job
+        return None
+
+    def known_ids(self) -> list[int]:
+        """The jobs on the book and the recently finished ones."""
+        return [*self._jobs, *(job.job_id for job in self._finished)]
+
+    def complete(self, job_id: int) -> RecoveryJob | None:
+        """``job_id`` was recovered in full: off the book, into the recently finished."""
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            self._finished.append(job)
+        return job
+
     def remove(self, job_id: int) -> RecoveryJob | None:
         return self._jobs.pop(job_id, None)
 
     def clear(self) -> list[RecoveryJob]:
         jobs = list(self._jobs.values())
         self._jobs.clear()
+        self._finished.clear()
         return jobs
 
     def park(

@@ -18,13 +18,25 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from ..events import SparseRouteServed
+from ..events import RequestPrefilled, Route, SparseRouteServed
 from ..settings import PublishPolicy
-from .costs import DEFAULT_APPEND_TOKENS, Decision, DenseCostModel, SparseSample, Verdict, decide
+from .costs import (
+    DEFAULT_APPEND_TOKENS,
+    Decision,
+    DenseCostModel,
+    Source,
+    SparseSample,
+    Verdict,
+    decide,
+    sparse_rerun_seconds,
+)
 from .jobs import RecoveryJob
 
 # The keep share assumed when the host does not say (oMLX's default).
 DEFAULT_KEEP = 0.2
+# How soon a conversation is expected back: the chance it has not returned halves every
+# this many seconds (a production chat trace: median gap to the next turn 126 s, p90 480 s).
+RETURN_HALF_LIFE_S = 180.0
 
 
 @dataclass(slots=True)
@@ -37,6 +49,10 @@ class RouteMemory:
     keep: float | None = None
     sparse: SparseSample | None = None
     last_append: int | None = None
+    #: What the last publication expected the next dense turn to cost (seconds), if any.
+    predicted_dense_s: float | None = None
+    #: When the host last served the conversation (the service's clock).
+    served_at: float | None = None
 
 
 class PublishJudge:
@@ -48,12 +64,21 @@ class PublishJudge:
         self.costs = DenseCostModel()
         self.last: Decision | None = None
         self._routes: dict[int, RouteMemory] = {}
+        # What the host's own turns said of the predictions (engine thread).
+        self._host_turns = 0
+        self._sparse_updates = 0
+        self._last_turn: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
 
-    def note_route(self, job: RecoveryJob, event: SparseRouteServed, appended: int | None) -> None:
+    def note_route(
+        self, job: RecoveryJob, event: SparseRouteServed, appended: int | None, now: float | None = None
+    ) -> None:
         """Remember what the host said of its sparse route for ``job``'s conversation
-        (``appended``: how much the conversation grew with this turn, if it did)."""
+        (``appended``: how much the conversation grew with this turn, if it did; ``now``:
+        when it was served)."""
         route = self._routes.setdefault(job.job_id, RouteMemory())
+        if now is not None:
+            route.served_at = now
         if event.threshold is not None:
             route.threshold = int(event.threshold)
         if event.keep is not None:
@@ -62,6 +87,12 @@ class PublishJudge:
             route.sparse = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
         if appended is not None:
             route.last_append = appended
+
+    @property
+    def evidence(self) -> int:
+        """Grows whenever what the policy knows changes (the dense cost model's evidence,
+        a sparse turn measured): a verdict taken on less may be revisited."""
+        return self.costs.evidence + self._sparse_updates
 
     def keep_only(self, job_ids: Iterable[int]) -> None:
         """Forget the conversations whose jobs have left the book."""
@@ -73,6 +104,47 @@ class PublishJudge:
         """A whole slice of ``tokens`` on top of ``context`` took ``seconds``."""
         self.costs.observe(context, tokens, seconds)
         self._status = self._build_status()
+
+    def observe_turn(self, job: RecoveryJob | None, event: RequestPrefilled) -> None:
+        """The host prefilled a turn: its own dense append is the best evidence of what one
+        costs here, and, after a publication, the check of what the policy expected."""
+        uncached = len(event.tokens) - event.cached_tokens
+        if event.route is Route.DENSE and event.cached_tokens > 0 and uncached > 0:
+            self.costs.observe(event.cached_tokens, uncached, event.prefill_s, Source.HOST)
+            self._host_turns += 1
+        route = self._routes.get(job.job_id) if job is not None else None
+        if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
+            route.sparse = SparseSample(uncached, event.prefill_s)
+            self._sparse_updates += 1
+        if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
+            sparse = route.sparse.seconds * len(event.tokens) / max(1, route.sparse.tokens) if route.sparse else None
+            self._last_turn = {
+                "cached_tokens": event.cached_tokens,
+                "prefill_s": event.prefill_s,
+                "predicted_s": route.predicted_dense_s,
+                "sparse_s": sparse,
+                "paid": None if sparse is None else event.prefill_s < sparse,
+            }
+            route.predicted_dense_s = None
+        self._status = self._build_status()
+
+    def expected_saving(self, job: RecoveryJob, now: float) -> float:
+        """Seconds the conversation's next turn is expected to save once ``job`` is
+        recovered in full, weighed by the chance the conversation comes back soon, per
+        token recovery still has to run for it (0 where the sparse cost is not known)."""
+        route = self._routes.get(job.job_id)
+        if route is None:
+            return 0.0
+        full = job.publish_end(self.block_size)
+        next_tokens = len(job.tokens) + (route.last_append or DEFAULT_APPEND_TOKENS)
+        keep = route.keep if route.keep is not None else DEFAULT_KEEP
+        sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, route.sparse)
+        if sparse is None:
+            return 0.0
+        dense = self.costs.seconds(max(0, next_tokens - full), full) or 0.0
+        back = 1.0 if route.served_at is None else 0.5 ** (max(0.0, now - route.served_at) / RETURN_HALF_LIFE_S)
+        remaining = max(1, full - job.frontier(self.block_size))
+        return max(0.0, sparse - dense) * back / remaining
 
     def judge(self, job: RecoveryJob, boundary: int) -> Decision:
         """What to do with ``job``'s finished blocks up to ``boundary``."""
@@ -90,6 +162,9 @@ class PublishJudge:
                 measured=route.sparse,
             )
         self.last = decision
+        memory = self._routes.get(job.job_id)
+        if memory is not None and decision.verdict is Verdict.PUBLISH:
+            memory.predicted_dense_s = decision.dense_s
         self._status = self._build_status()
         return decision
 
@@ -112,6 +187,10 @@ class PublishJudge:
             {
                 "mode": self.policy.value,
                 "dense_cost_samples": self.costs.samples,
+                "host_dense_samples": self.costs.host_samples,
+                "evidence": self.evidence,
+                "host_turns_learned": self._host_turns,
+                "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
                 "verdict": decision.verdict.value if decision else None,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..events import IdleStep, RequestAdmitted, RequestArrived, RequestDeparted, SparseRouteServed
+from ..events import IdleStep, RequestAdmitted, RequestArrived, RequestDeparted, RequestPrefilled, SparseRouteServed
 from ..hookspecs import hookimpl
 from ..ports import EnginePort
 from ..settings import RecoverySettings, env_name, load_settings
@@ -148,6 +148,18 @@ class RecoveryPlugin:
     @hookimpl
     def request_departed(self, event: RequestDeparted) -> None:
         self.registry.departed(event.engine_id, event.request_id)
+
+    @hookimpl
+    def request_prefilled(self, event: RequestPrefilled) -> None:
+        if not self.enabled_for(event.model_id):
+            return
+        service = self._engines.get(event.engine_id)
+        if service is None:
+            return
+        try:
+            service.prefilled(event)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping bugs stay here
+            log.error("mlx-recovery: engine %s: learning from a prefill failed: %r", event.engine_id, exc)
 
     @hookimpl
     def sparse_route_served(self, event: SparseRouteServed) -> None:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..events import SparseRouteServed
+from ..events import RequestPrefilled, SparseRouteServed
 from ..ports import EnginePort
 from ..settings import RecoverySettings, env_name
 from ..state import BlockState
@@ -67,6 +67,9 @@ PARK_MAX_ATTEMPTS = 5
 RELEASE_RETRY_S = 1.0
 # How long a cancellation from another thread waits for a running slice to stop.
 CANCEL_WAIT_S = 2.0
+# An older conversation is worked before a more recent one only if its recovery is
+# expected to save at least this many times as much per token of work.
+CLEARLY_MORE = 2.0
 
 
 class EngineRecovery:
@@ -104,7 +107,8 @@ class EngineRecovery:
         # Engine thread only (under _work); their status figures are replaced whole.
         self.judge = PublishJudge(settings.publish_policy, self.block_size)
         self._sizer = SliceSizer(
-            settings.slice_tokens_for(self.model_id, int(port.prefill_step)), self.block_size, budget.remaining_s
+            settings.slice_tokens_for(self.model_id, int(port.prefill_step)), self.block_size, budget.remaining_s,
+            predict=self.judge.costs.seconds,
         )
         self._ledger = ReleaseLedger(self.engine_id, self._count_fault)
         self._live = LiveDense(
@@ -140,8 +144,8 @@ class EngineRecovery:
         with self._lock:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)
             if offer.job is not None:
-                self.judge.note_route(offer.job, event, offer.appended)
-            self.judge.keep_only(job.job_id for job in self.book)
+                self.judge.note_route(offer.job, event, offer.appended, self._clock())
+            self.judge.keep_only(self.book.known_ids())
             if offer.relation in (Relation.UNRELATED, Relation.FORKS):
                 self.counters.jobs_queued += 1
             elif offer.relation is Relation.EXTENDS:
@@ -150,6 +154,14 @@ class EngineRecovery:
         live_job = self._live.job
         if live_job is not None and (live_job is offer.job or live_job in offer.dropped):
             self.foreground()
+
+    def prefilled(self, event: RequestPrefilled) -> None:
+        """The host prefilled a request: the publish policy learns what it really cost."""
+        if self.closed or not event.tokens:
+            return
+        with self._lock:
+            job = self.book.conversation_of(event.tokens)
+        self.judge.observe_turn(job, event)
 
     def foreground(self) -> None:
         """Foreground work reached this engine: give the live state's memory back now."""
@@ -243,7 +255,9 @@ class EngineRecovery:
             return self._releases_failing()
         now = self._clock()
         with self._lock:
-            job = self.book.next_runnable(now)
+            job = self._most_worth_it(now)
+            if job is None and self._reopen_stood_down():
+                job = self._most_worth_it(now)
             wait = self.book.seconds_until_unparked(now)
         if job is None:
             self._retire_live()
@@ -262,12 +276,12 @@ class EngineRecovery:
             return self._cancel.stop_requested() or self._arrivals() != arrivals
 
         started = self._clock()
-        ran = 0
+        ran, context = 0, 0
         try:
-            ran = self._run_slice(job, should_stop)
+            ran, context = self._run_slice(job, should_stop)
         finally:
             spent = max(0.0, self._clock() - started)
-            self._sizer.learn(ran, spent)
+            self._sizer.learn(ran, spent, context)
             self._budget.charge(spent)
             self._budget.release_claim(self.engine_id)
             with self._lock:
@@ -326,17 +340,18 @@ class EngineRecovery:
             return wait if math.isfinite(wait) and wait > 0 else RETRY_S
         return RETRY_S
 
-    def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> int:
-        """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)."""
+    def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> tuple[int, int]:
+        """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)
+        and the context it started at."""
         if not self._have_runner():
-            return 0
+            return 0, 0
         if self._stands_down(job):
-            return 0
+            return 0, 0
         end_target = job.publish_end(self.block_size)
         if not self._live.is_for(job, end_target):
             self._retire_live()
             if not self._start(job, end_target):
-                return 0
+                return 0, 0
 
         start = self._live.start_offset
         end = self._sizer.end(start, end_target)
@@ -345,7 +360,7 @@ class EngineRecovery:
             outcome = self._live.advance(end, should_stop)
         except Exception as exc:  # noqa: BLE001 - runner faults park the job
             self._runner_fault(job, exc)
-            return 0
+            return 0, start
         seconds = self._clock() - began
         with self._lock:
             self.counters.slices += 1
@@ -355,13 +370,13 @@ class EngineRecovery:
                 self.counters.slices_interrupted += 1
                 self.last_refusal = Refusal.SLICE_INTERRUPTED.value
             self._retire_live()
-            return 0
+            return 0, start
         self.judge.observe(start, int(outcome.tokens_run), seconds)
         if self._cancel.stop_requested():
-            return 0  # cancelled while the slice ran: publish nothing
+            return 0, start  # cancelled while the slice ran: publish nothing
         if not self._settle_slice(job, outcome):
-            return 0
-        return int(outcome.tokens_run)
+            return 0, start
+        return int(outcome.tokens_run), start
 
     def _settle_slice(self, job: RecoveryJob, outcome: SliceOutcome) -> bool:
         """Publish or hold a whole slice's blocks and book the job's progress. False after
@@ -371,7 +386,7 @@ class EngineRecovery:
         with self._lock:
             job.progressed()
             if job.done(self.block_size):
-                self.book.remove(job.job_id)
+                self.book.complete(job.job_id)
                 self.counters.jobs_completed += 1
                 finished = True
             else:
@@ -388,7 +403,7 @@ class EngineRecovery:
             with self._lock:
                 self.counters.ground_lost_tokens += job.restore_to(restorable, self.block_size)
                 if job.done(self.block_size):
-                    self.book.remove(job.job_id)
+                    self.book.complete(job.job_id)
                     self.counters.jobs_completed += 1
                     return None
                 return tuple(job.held)
@@ -436,8 +451,32 @@ class EngineRecovery:
         if dropped:
             log.info("mlx-recovery: engine %s: %d held block(s) dropped (%s)", self.engine_id, dropped, reason.value)
 
+    def _most_worth_it(self, now: float) -> RecoveryJob | None:
+        """Under ``_lock``: the most recently served runnable job, unless another is
+        expected to save clearly more per token of work (the policy's estimate): timings
+        of like conversations differ by noise, and recency is the better guess then."""
+        candidates = self.book.runnable(now)
+        if not candidates:
+            return None
+        best, best_saving = candidates[0], self.judge.expected_saving(candidates[0], now)
+        for job in candidates[1:]:
+            saving = self.judge.expected_saving(job, now)
+            if saving > CLEARLY_MORE * best_saving:
+                best, best_saving = job, saving
+        return best
+
+    def _reopen_stood_down(self) -> bool:
+        """Under ``_lock``: jobs stood down on evidence the cost model has since outgrown
+        (another job's slices, the host's own dense appends) are judged again."""
+        evidence = self.judge.evidence
+        return any([job.reconsider(evidence) for job in self.book])
+
     def _stands_down(self, job: RecoveryJob) -> bool:
-        """Before working on ``job``: stand it down when even its whole prefix would not pay."""
+        """Before working on ``job``: stand it down when even its whole prefix would not pay.
+        The first slice after a new turn runs regardless: the verdict is then taken on a
+        measurement of the machine as it is now, at the job's frontier."""
+        if job.fresh_turn:
+            return False
         reason = self.judge.stand_down_reason(job)
         if reason is None:
             return False
@@ -447,7 +486,7 @@ class EngineRecovery:
         return True
 
     def _stand_down_locked(self, job: RecoveryJob, reason: str) -> None:
-        if job.stand_down(reason):
+        if job.stand_down(reason, self.judge.evidence):
             self.counters.jobs_stood_down += 1
             log.info("mlx-recovery: engine %s: job %d stands down: %s", self.engine_id, job.job_id, reason)
 

@@ -2,9 +2,14 @@
 
 A slice that overspends the window's allowance is paid back by the next windows, so on a
 slow machine one whole configured slice could overshoot many windows at once. The sizer
-learns the recovered tokens per charged second from whole slices and cuts the next one to
-what the window's remaining allowance pays for, but never below one block: a slice that
-finishes no block publishes nothing.
+cuts the next slice to what the window's remaining allowance pays for, but never below
+one block: a slice that finishes no block publishes nothing.
+
+What a slice costs comes from the publish policy's dense cost model (one model for both:
+:class:`~.costs.DenseCostModel`), so a slice deep in a long context, where attention costs
+more per token, is cut shorter than one near its start. The sizer itself learns only the
+ratio of the charged time (the whole idle step: fetch, slice, publication) to the model's
+prediction. Until the model is fitted it goes by the recovered tokens per charged second.
 
 Threads: owned by one engine's recovery service and used on its engine thread only.
 """
@@ -16,39 +21,70 @@ from collections.abc import Callable
 
 from ..state import floor_block
 
+Predict = Callable[[int, int], "float | None"]
+"""``(tokens, context) -> seconds`` of a dense pass, or None while not known."""
+
 
 class SliceSizer:
-    """The next slice's end, from the measured rate and the budget's remaining allowance."""
+    """The next slice's end, from the cost model, the measured overhead and the budget."""
 
-    def __init__(self, slice_tokens: int, block_size: int, remaining_s: Callable[[], float]) -> None:
+    def __init__(
+        self, slice_tokens: int, block_size: int, remaining_s: Callable[[], float], predict: Predict | None = None
+    ) -> None:
         self.slice_tokens = slice_tokens
         self._block_size = block_size
         self._remaining_s = remaining_s
+        self._predict = predict
         self._tokens_per_s: float | None = None
+        self._overhead: float | None = None  # charged seconds per predicted second
 
-    def learn(self, tokens: int, seconds: float) -> None:
-        """A slice recovered ``tokens`` for ``seconds`` of charged time (0 tokens: it did
-        not run whole, and says nothing of the rate)."""
+    def learn(self, tokens: int, seconds: float, context: int = 0) -> None:
+        """A slice of ``tokens`` from ``context`` was charged ``seconds`` (0 tokens: it did
+        not run whole, and says nothing)."""
         if tokens <= 0:
             return
         # A slice the clock did not see (a clock coarser than the slice) cost nothing.
         rate = tokens / seconds if seconds > 0 else math.inf
         old = self._tokens_per_s
         self._tokens_per_s = rate if old is None else 0.5 * old + 0.5 * rate
+        predicted = self._predict(tokens, context) if self._predict is not None else None
+        if predicted and predicted > 0 and seconds > 0:
+            ratio = seconds / predicted
+            self._overhead = ratio if self._overhead is None else 0.5 * self._overhead + 0.5 * ratio
 
-    def tokens_now(self) -> int:
-        """The configured slice, fitted to what the window's remaining allowance pays for.
-        The first slice, whose rate is not known yet, is one block at most."""
+    def tokens_now(self, context: int = 0) -> int:
+        """The configured slice from ``context``, fitted to what the window's remaining
+        allowance pays for. The first slice, whose cost is not known yet, is one block at
+        most."""
         if self._tokens_per_s is None:
             return min(self.slice_tokens, self._block_size)
         if math.isinf(self._tokens_per_s):
             return self.slice_tokens
-        affordable = floor_block(int(self._tokens_per_s * self._remaining_s()), self._block_size)
+        remaining = self._remaining_s()
+        if self._predict is not None and self._overhead is not None:
+            return self._by_model(context, remaining, self._overhead)
+        affordable = floor_block(int(self._tokens_per_s * remaining), self._block_size)
         return min(self.slice_tokens, max(self._block_size, affordable))
 
     def end(self, start: int, end_target: int) -> int:
         """Where a slice from ``start`` stops: its size from :meth:`tokens_now`, cut back to
         a block boundary when it would otherwise leave a block half done."""
-        end = min(start + self.tokens_now(), end_target)
+        end = min(start + self.tokens_now(start), end_target)
         whole = floor_block(end, self._block_size)
         return whole if end < end_target and whole > start else end
+
+    def _by_model(self, context: int, remaining: float, overhead: float) -> int:
+        """The most whole blocks (up to the configured slice) the model says fit in
+        ``remaining`` seconds from ``context``: a binary search over block counts."""
+        assert self._predict is not None
+        block = self._block_size
+        low, high = 1, max(1, self.slice_tokens // block)
+        if (self._predict(high * block, context) or 0.0) * overhead <= remaining:
+            return min(self.slice_tokens, high * block)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if (self._predict(mid * block, context) or 0.0) * overhead <= remaining:
+                low = mid
+            else:
+                high = mid - 1
+        return min(self.slice_tokens, low * block)

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from ..events import DepartureReason, IdleStep
+from ..events import DepartureReason, IdleStep, Route
 from ..ports import HOLDER_PREFIX, StoreUnit, store_unit
 from ..state import BlockState
 from .contract_host_protocol import ContractHost, ContractResult, ThreadedContractHost
@@ -142,6 +142,30 @@ class EventOrderTests(_ContractBase):
         assert tuple(served.tokens) == tuple(prompt)
         assert served.served_start == result.cached_tokens
         assert served.served_end == len(prompt)
+
+    def test_each_prefill_is_reported_once_with_its_route_cached_tokens_and_time(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        """What recovery's publish policy learns the host's real costs from."""
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=11)
+        cold, _ = self.serve(host, prompt, max_tokens=4)
+        longer = prompt + contract_tokens(host.block_size, 12)
+        warm, warm_result = self.serve(host, longer, max_tokens=4)
+        by_id = {event.request_id: event for event in event_recorder.prefills}
+        assert sorted(e.request_id for e in event_recorder.prefills if e.request_id in (cold, warm)) == sorted([cold, warm])
+        for rid, tokens in ((cold, prompt), (warm, longer)):
+            event = by_id[rid]
+            assert event.engine_id == host.engine.engine_id and event.model_id == host.engine.model_id
+            assert tuple(event.tokens) == tuple(tokens)
+            assert event.route is Route.DENSE and event.prefill_s >= 0
+        assert by_id[cold].cached_tokens == 0
+        assert by_id[warm].cached_tokens == warm_result.cached_tokens
+        if host.supports_sparse_route:
+            blocks = (host.sparse_threshold + host.block_size) / host.block_size + 1.5
+            sparse, _ = self.serve(host, self.prompt(host, blocks, seed=13), sparse=True, max_tokens=4)
+            (event,) = [e for e in event_recorder.prefills if e.request_id == sparse]
+            assert event.route is Route.SPARSE
 
     def test_aborted_request_reports_abort_then_departs_aborted(
         self, contract_host: ContractHost, event_recorder: EventRecorder

@@ -44,6 +44,8 @@ from ..events import (
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
+    RequestPrefilled,
+    Route,
     SparseRouteServed,
 )
 from ..kvcodec import UnsupportedCacheError, blocks_from_cache, cache_from_blocks
@@ -478,6 +480,7 @@ class MockEngine:
         else:
             req.route, req.phase = "dense", PREFILL
             req.feed = uncached
+        req.admitted_at = self.clock()
         self._hooks.request_admitted(RequestAdmitted(self.engine_id, req.request_id, req.cached_tokens))
 
     def _run_once(self) -> None:
@@ -530,7 +533,16 @@ class MockEngine:
         req.feed = []
         req.first_logits = last
         req.output.append(int(mx.argmax(last).item()))
-        req.ttft_s = self.clock() - req.submitted_at
+        now = self.clock()
+        req.ttft_s = now - req.submitted_at
+        began = req.admitted_at if req.route == "dense" and req.admitted_at is not None else req.submitted_at
+        prefill_s = now - began
+        self._hooks.request_prefilled(
+            RequestPrefilled(
+                self.engine_id, req.request_id, self.model_id, tuple(req.prompt), req.cached_tokens,
+                Route.DENSE if req.route == "dense" else Route.SPARSE, prefill_s,
+            )
+        )
         if req.route == "dense":
             self._store_prompt(req)
         else:

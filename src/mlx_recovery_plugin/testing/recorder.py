@@ -18,6 +18,7 @@ from ..events import (
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
+    RequestPrefilled,
     SparseRouteServed,
 )
 from ..hookspecs import hookimpl
@@ -50,6 +51,9 @@ class EventRecorder:
         self.events: list[RecordedEvent] = []
         self.engines: dict[str, EnginePort] = {}
         self.queues_empty_at_idle: list[bool] = []
+        #: ``request_prefilled`` events, kept apart: the order checks are about the
+        #: lifecycle, and a host reports a prefill between admission and departure.
+        self.prefills: list[RequestPrefilled] = []
         self._lock = threading.Lock()
 
     def _add(self, hook: str, engine_id: str, request_id: str | None, payload: Any) -> None:
@@ -98,6 +102,11 @@ class EventRecorder:
     @hookimpl
     def model_unloaded(self, engine_id: str, model_id: str) -> None:
         self._add("model_unloaded", engine_id, None, model_id)
+
+    @hookimpl
+    def request_prefilled(self, event: RequestPrefilled) -> None:
+        with self._lock:
+            self.prefills.append(event)
 
     @hookimpl
     def sparse_route_served(self, event: SparseRouteServed) -> None:

@@ -71,6 +71,7 @@ class EngineRequest:
     output: list[int] = field(default_factory=list)
     first_logits: mx.array | None = None
     ttft_s: float | None = None
+    admitted_at: float | None = None
     reason: DepartureReason | None = None
     prefilled_tokens: int = 0
     draft_tokens: int = 0

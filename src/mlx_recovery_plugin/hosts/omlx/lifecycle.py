@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...events import DepartureReason, RequestAdmitted, SparseRouteServed
+from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
 from ..records import EngineBook, LiveRequest, tokens_of_prompt, tokens_of_request
 from ..records import EngineRecord as _EngineRecord
 from .idle_driver import IdleDriver
@@ -103,7 +103,7 @@ class Lifecycle(EngineBook):
         for rid in gone:
             self.depart(record, rid, reason)
 
-    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str]) -> None:
+    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str], began: float | None = None) -> None:
         """Report the requests of ``before`` (waiting a moment ago) now running or prefilling."""
         if not before:
             return
@@ -115,7 +115,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted = True
+                live.admitted, live.admitted_at = True, began if began is not None else self._clock()
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(
@@ -132,6 +132,8 @@ class Lifecycle(EngineBook):
         threshold, keep = sparse_route_settings(request, self.member)
         with record.lock:
             live = record.live.get(request_id)
+            # From arrival: oMLX's sparse route scores the prompt with its draft before the
+            # admission step this adapter sees, and that is part of the route's cost.
             began = live.arrived_at if live is not None else None
             first = live.first_token_at if live is not None else None
         if first is None:
@@ -147,6 +149,22 @@ class Lifecycle(EngineBook):
             keep=keep,
             prefill_s=first - began if began is not None and first is not None else None,
             keyed_beyond_tokens=bool(getattr(request, "vlm_extra_keys_for_cache", None)),
+        )
+
+    def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
+        request = scheduler.running.get(request_id) or scheduler.requests.get(request_id)
+        sparse = getattr(request, "specprefill_indices", None) is not None
+        began = live.arrived_at if sparse else live.prefill_began()
+        if request is None or began is None or live.first_token_at is None:
+            return None
+        return RequestPrefilled(
+            engine_id=record.engine_id,
+            request_id=request_id,
+            model_id=record.port.model_id,
+            tokens=tuple(int(t) for t in (getattr(request, "prompt_token_ids", None) or ())),
+            cached_tokens=int(getattr(request, "cached_tokens", 0) or 0),
+            route=Route.SPARSE if sparse else Route.DENSE,
+            prefill_s=max(0.0, live.first_token_at - began),
         )
 
     # -- steps -------------------------------------------------------------------------

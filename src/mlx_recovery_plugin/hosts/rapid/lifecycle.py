@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...events import DepartureReason, RequestAdmitted, SparseRouteServed
+from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
 from ..records import EngineBook, EngineRecord, LiveRequest, tokens_of_prompt, tokens_of_request
 from .idle_driver import IdleDriver
 
@@ -95,7 +95,7 @@ class Lifecycle(EngineBook):
         for rid in gone:
             self.depart(record, rid, reason)
 
-    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str]) -> None:
+    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str], began: float | None = None) -> None:
         """Report the requests of ``before`` (waiting a moment ago) now running."""
         for rid in before:
             request = scheduler.running.get(rid)
@@ -105,7 +105,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted = True
+                live.admitted, live.admitted_at = True, began if began is not None else self._clock()
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(RequestAdmitted(record.engine_id, rid, cached))
 
@@ -123,6 +123,8 @@ class Lifecycle(EngineBook):
         threshold, keep = pflash_settings(scheduler)
         with record.lock:
             live = record.live.get(request_id)
+            # From arrival: oMLX's sparse route scores the prompt with its draft before the
+            # admission step this adapter sees, and that is part of the route's cost.
             began = live.arrived_at if live is not None else None
             first = live.first_token_at if live is not None else None
         if first is None:
@@ -138,6 +140,24 @@ class Lifecycle(EngineBook):
             keep=keep,
             prefill_s=first - began if began is not None else None,
             keyed_beyond_tokens=bool(getattr(request, "is_multimodal", False)),
+        )
+
+    def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
+        request = scheduler.running.get(request_id)
+        sparse = request is not None and pflash_compressed(request)
+        began = live.arrived_at if sparse else live.prefill_began()
+        if request is None or began is None or live.first_token_at is None:
+            return None
+        tokens = getattr(request, "original_prompt_token_ids", None) if sparse else None
+        tokens = tokens or getattr(request, "prompt_token_ids", None) or ()
+        return RequestPrefilled(
+            engine_id=record.engine_id,
+            request_id=request_id,
+            model_id=record.port.model_id,
+            tokens=tuple(int(t) for t in tokens),
+            cached_tokens=0 if sparse else int(getattr(request, "cached_tokens", 0) or 0),
+            route=Route.SPARSE if sparse else Route.DENSE,
+            prefill_s=max(0.0, live.first_token_at - began),
         )
 
     # -- steps -------------------------------------------------------------------------
