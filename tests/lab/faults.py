@@ -233,6 +233,7 @@ class FaultBenchResult:
     seconds: float
     ops: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # the first few problems, for the report
+    timed_hooks: bool = True  # the host's hook calls were timed (the mock host's are)
 
     @property
     def ok(self) -> bool:
@@ -649,7 +650,7 @@ def format_result(result: FaultBenchResult) -> str:
         lines.append(
             f"{r.kind:<19} {r.runs:>5} {r.injected:>8} {r.leaked_refs:>11} {r.escapes:>9} "
             f"{r.dense_checked:>13} {r.dense_restored:>14} {r.wrong_outputs:>13} {r.writes_after_unload:>19} "
-            f"{r.longest_block_s * 1000:>14.1f} ms"
+            + (f"{r.longest_block_s * 1000:>14.1f} ms" if result.timed_hooks else f"{'-':>17}")
         )
     lines.append(
         "all clean" if result.ok else "FAILED: leaks, exceptions into the host, wrong outputs or writes after unload"

@@ -230,7 +230,7 @@ def run_omlx_fault_bench(
     models = models or load_models()
     cold = OmlxColdReference()
     rows = {kind: KindRow(kind) for kind in OMLX_KINDS}
-    result = FaultBenchResult(rows, runs, 0.0)
+    result = FaultBenchResult(rows, runs, 0.0, timed_hooks=False)
     started = time.perf_counter()
     for index in range(runs):
         rng = random.Random(f"omlx:{seed}:{index}")
