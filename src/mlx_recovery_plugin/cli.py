@@ -17,7 +17,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .cli_checks import check_options
+from .cli_checks import refuse_bad_options
 from .settings import SettingsError, describe_settings, load_settings
 
 COMMAND_MODULES = (
@@ -89,10 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    problems = check_options(args)  # before any work: a run must not end on a bad option
-    if problems:
-        for problem in problems:
-            print(f"mlx-recovery: {problem}", file=sys.stderr)
+    if refuse_bad_options("mlx-recovery", args):  # before any work: a run must not end on a bad option
         return 2
     from .models.library import ModelNotFetched
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,15 @@ def module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def refuse_bad_options(prog: str, args: argparse.Namespace) -> bool:
+    """Print every problem with ``args``' options (one line each, to stderr); True if
+    there was any, so the command must not start."""
+    problems = check_options(args)
+    for problem in problems:
+        print(f"{prog}: {problem}", file=sys.stderr)
+    return bool(problems)
 
 
 def check_options(args: argparse.Namespace) -> list[str]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import sys
 from collections.abc import Sequence
 
-from mlx_recovery_plugin.cli_checks import check_options
+from mlx_recovery_plugin.cli_checks import refuse_bad_options
 
 SUITES = (
     "lab.runner",
@@ -40,9 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     args.command = "bench"  # the lab's suites are checked like the package's benches
-    problems = check_options(args)  # before any work: a run must not end on a bad option
-    if problems:
-        for problem in problems:
-            print(f"python tests/lab: {problem}", file=sys.stderr)
+    if refuse_bad_options("python tests/lab", args):
         return 2
     return int(args.func(args) or 0)

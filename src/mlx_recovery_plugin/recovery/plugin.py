@@ -151,27 +151,12 @@ class RecoveryPlugin:
 
     @hookimpl
     def request_prefilled(self, event: RequestPrefilled) -> None:
-        if not self.enabled_for(event.model_id):
-            return
-        service = self._engines.get(event.engine_id)
-        if service is None:
-            return
-        try:
-            service.prefilled(event)
-        except Exception as exc:  # noqa: BLE001 - bookkeeping bugs stay here
-            log.error("mlx-recovery: engine %s: learning from a prefill failed: %r", event.engine_id, exc)
+        self._to_engine(event.engine_id, event.model_id, "learning from a prefill",
+                        lambda service: service.prefilled(event))
 
     @hookimpl
     def sparse_route_served(self, event: SparseRouteServed) -> None:
-        if not self.enabled_for(event.model_id):
-            return
-        service = self._engines.get(event.engine_id)
-        if service is None:
-            return
-        try:
-            service.served(event)
-        except Exception as exc:  # noqa: BLE001 - bookkeeping bugs stay here
-            log.error("mlx-recovery: engine %s: queueing failed: %r", event.engine_id, exc)
+        self._to_engine(event.engine_id, event.model_id, "queueing", lambda service: service.served(event))
 
     @hookimpl
     def engine_idle_step(self, event: IdleStep) -> bool | float | None:
@@ -248,6 +233,21 @@ class RecoveryPlugin:
         self._stop_control()
 
     # -- private -----------------------------------------------------------------------
+
+    def _to_engine(
+        self, engine_id: str, model_id: str, what: str, call: Callable[[EngineRecovery], None]
+    ) -> None:
+        """Hand an engine-thread event to its engine's recovery, when recovery is on for
+        the model; a bookkeeping bug is logged here, never raised into the host."""
+        if not self.enabled_for(model_id):
+            return
+        service = self._engines.get(engine_id)
+        if service is None:
+            return
+        try:
+            call(service)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping bugs stay here
+            log.error("mlx-recovery: engine %s: %s failed: %r", engine_id, what, exc)
 
     def _ports(self) -> Iterable[EnginePort]:
         with self._lock:
