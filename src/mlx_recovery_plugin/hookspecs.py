@@ -119,9 +119,13 @@ def engine_reset(engine_id: str, deep: bool) -> None:
 
 @hookspec
 def engine_shutdown(engine_id: str) -> None:
-    """The engine is stopping. Thread: the engine thread or the host's control thread.
+    """The engine is stopping. Thread: the engine thread, the host's control thread, or a
+    worker thread the adapter hands it to so the host's event loop is not blocked (oMLX's
+    ``EngineCore.stop``: the host's own stop waits for the hook to return).
 
-    Plugins cancel at once and forget the engine; they must not delay the shutdown.
+    Plugins cancel at once and forget the engine; they may wait for their own running
+    work to stop (never on an event loop), and must write nothing to the engine after
+    they return.
     """
 
 

@@ -22,7 +22,7 @@ of a scheduler
                                        ``request_departed`` failed (engine thread)
 ``Scheduler.reset`` / ``deep_reset``   ``engine_reset``, before the cache is cleared
 / ``_recover_from_cache_error``        (engine thread)
-``EngineCore.stop``,                   ``engine_shutdown`` (event-loop / engine thread)
+``EngineCore.stop``,                   ``engine_shutdown`` (stop: on a worker thread it awaits)
 ``Scheduler.shutdown``
 ``EngineCore.close`` (``EnginePool``   ``engine_shutdown`` if not yet, then
 unloads reach it)                      ``model_unloaded``, before the model goes
