@@ -258,7 +258,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
-    """Add ``budget`` to the ``mlx-recovery bench`` subcommands (handler in ``func``)."""
+    """Add ``budget`` to the lab's suites (``python tests/lab budget``; handler in ``func``)."""
     parser = subparsers.add_parser(
         "budget", help="recovered tokens per idle second vs plain prefill; budget share vs cap"
     )

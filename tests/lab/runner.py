@@ -257,7 +257,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
-    """Add ``runner`` to the ``mlx-recovery bench`` subcommands (handler in ``func``)."""
+    """Add ``runner`` to the lab's suites (``python tests/lab runner``; handler in ``func``)."""
     parser = subparsers.add_parser(
         "runner", help="recovery runner vs plain mlx-lm prefill: throughput, memory, arrival wait"
     )

@@ -23,7 +23,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..events import DepartureReason, RequestArrived, RequestDeparted, RequestPrefilled
@@ -205,7 +205,7 @@ class EngineBook:
                 live = record.live.get(rid)
                 if live is not None and live.first_token_at is None:
                     live.first_token_at = now
-                    prefilled.append((rid, LiveRequest(**{f: getattr(live, f) for f in LiveRequest.__dataclass_fields__})))
+                    prefilled.append((rid, replace(live)))  # a copy: read outside the lock
         for rid, seen in prefilled:
             event = self.safe(self.prefill_event, record, scheduler, rid, seen)
             if event is not None:

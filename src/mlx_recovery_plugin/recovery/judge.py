@@ -117,7 +117,8 @@ class PublishJudge:
             route.sparse = SparseSample(uncached, event.prefill_s)
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
-            sparse = route.sparse.seconds * len(event.tokens) / max(1, route.sparse.tokens) if route.sparse else None
+            keep = route.keep if route.keep is not None else DEFAULT_KEEP
+            sparse = sparse_rerun_seconds(self.costs, len(event.tokens), keep, route.sparse) if route.sparse else None
             self._last_turn = {
                 "cached_tokens": event.cached_tokens,
                 "prefill_s": event.prefill_s,

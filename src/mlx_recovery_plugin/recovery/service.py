@@ -491,8 +491,8 @@ class EngineRecovery:
             log.info("mlx-recovery: engine %s: job %d stands down: %s", self.engine_id, job.job_id, reason)
 
     def _publish(self, job: RecoveryJob, blocks: list[BlockState]) -> bool:
-        # Blocks the host already restores (it may have stored them meanwhile) need no store.
-        blocks = [b for b in blocks if b.index * self.block_size >= job.committed]
+        """Store ``blocks`` (from :meth:`RecoveryJob.pending_with`: none the host restores
+        already) and commit what the read-back gives."""
         if not blocks:
             return True
         if blocks[0].index * self.block_size != job.committed:

@@ -125,7 +125,7 @@ class Lifecycle(EngineBook):
     def sparse_served(self, record: EngineRecord, scheduler: Any, request_id: str) -> SparseRouteServed | None:
         """The event for a running request whose prompt the sparse route served, else None."""
         request = scheduler.running.get(request_id)
-        if request is None or getattr(request, "specprefill_indices", None) is None:
+        if request is None or not took_sparse_route(request):
             return None  # not sparse, or its sparse prefill never completed
         tokens = tuple(int(t) for t in (request.prompt_token_ids or ()))
         start = min(int(getattr(request, "cached_tokens", 0) or 0), len(tokens))
@@ -153,7 +153,7 @@ class Lifecycle(EngineBook):
 
     def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
         request = scheduler.running.get(request_id) or scheduler.requests.get(request_id)
-        sparse = getattr(request, "specprefill_indices", None) is not None
+        sparse = request is not None and took_sparse_route(request)
         began = live.arrived_at if sparse else live.prefill_began()
         if request is None or began is None or live.first_token_at is None:
             return None
@@ -186,6 +186,11 @@ class Lifecycle(EngineBook):
 
     def engine_aborted_all(self, record: EngineRecord) -> None:
         self.emitter.engine_aborted_all(record.engine_id)
+
+
+def took_sparse_route(request: Any) -> bool:
+    """oMLX's sparse route served ``request`` (its sparse prefill completed)."""
+    return getattr(request, "specprefill_indices", None) is not None
 
 
 def sparse_route_settings(request: Any, member: Member = FLYTO_MLX) -> tuple[int | None, float | None]:
