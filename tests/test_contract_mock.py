@@ -30,6 +30,7 @@ class MockContractHost:
     supports_abort_all = True
     supports_fail_all = True
     supports_threads = True
+    serves_sparse_one_at_a_time = True
 
     def __init__(self, model_dir: Path, draft_dir: Path, cache_kind: str = "paged") -> None:
         self.host = MockHost(make_plugin_manager(entry_points_too=False))

@@ -55,8 +55,8 @@ class SparseRouteServed:
     ``tokens`` is the whole prompt; ``served_start`` is where the host's reusable prefix
     ended when the request was admitted. What the host knows of its route, where it can
     tell: ``threshold``, the uncached tokens above which it takes the sparse route;
-    ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds from the
-    request's arrival to its first token (its time to first token on the sparse route).
+    ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds its sparse
+    prefill took, timed as :class:`RequestPrefilled` times it.
     Recovery uses them to judge whether publishing pays. ``keyed_beyond_tokens``: the
     host's cache keys this request's blocks by more than its tokens (an image's hash for
     a vision request, say), so a prefix recovered under the tokens alone would not be the
@@ -96,9 +96,10 @@ class RequestPrefilled:
     ``tokens`` is the prompt (empty where the host did not say), ``cached_tokens`` what the
     host restored from its prefix cache, ``route`` how it prefilled the rest, and
     ``prefill_s`` the seconds to its first token: from the start of the step that admitted
-    it on the dense route (a wait behind other requests is not the prefill's cost), from
-    its arrival on the sparse route (as ``SparseRouteServed`` times it: oMLX's draft
-    scores the prompt before the admission the adapter sees).
+    it (a wait behind other requests is not the prefill's cost), plus on the sparse route
+    the time the host spent taking it in (oMLX's draft scores the prompt inside
+    ``Scheduler.add_request``, before it queues). A host that does not show the admission
+    times it from arrival.
     """
 
     engine_id: str

@@ -42,10 +42,24 @@ class LiveRequest:
     arrived_at: float | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
+    #: Seconds the host spent inside its scheduler's ``add_request`` for it (oMLX scores
+    #: a sparse prompt with its draft there, before the request queues).
+    door_s: float = 0.0
 
     def prefill_began(self) -> float | None:
         """When its prefill began: its admission, else (not seen) its arrival."""
         return self.admitted_at if self.admitted_at is not None else self.arrived_at
+
+    def prefill_seconds(self, sparse: bool) -> float | None:
+        """Its prefill's own time, without the wait behind other requests: from admission
+        to the first token, plus (sparse) the route's work at the door. A request whose
+        admission was not seen is timed from its arrival, the wait included."""
+        if self.first_token_at is None:
+            return None
+        if self.admitted_at is None:
+            return None if self.arrived_at is None else max(0.0, self.first_token_at - self.arrived_at)
+        own = self.first_token_at - self.admitted_at + (self.door_s if sparse else 0.0)
+        return max(0.0, own)
 
 
 @dataclass(slots=True)
@@ -178,6 +192,13 @@ class EngineBook:
             ),
         )
         return True
+
+    def note_door(self, record: EngineRecord, request_id: str, seconds: float) -> None:
+        """The host's scheduler spent ``seconds`` taking ``request_id`` in."""
+        with record.lock:
+            live = record.live.get(request_id)
+            if live is not None:
+                live.door_s += max(0.0, seconds)
 
     def depart(self, record: EngineRecord, request_id: str, reason: DepartureReason) -> None:
         """Report a departure of a request that arrived and has not departed yet."""

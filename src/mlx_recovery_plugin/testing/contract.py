@@ -167,6 +167,25 @@ class EventOrderTests(_ContractBase):
             (event,) = [e for e in event_recorder.prefills if e.request_id == sparse]
             assert event.route is Route.SPARSE
 
+    def test_a_sparse_prefill_is_timed_without_its_wait_behind_another(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        """Two long prompts arrive together and the host serves their sparse prefills one
+        after the other: each is reported at its own cost, so the two add up to no more
+        than the time both took (timed from arrival, the second would count the first)."""
+        host = contract_host
+        self.require(host, "supports_sparse_route")
+        self.require(host, "serves_sparse_one_at_a_time")
+        blocks = (host.sparse_threshold + host.block_size) / host.block_size + 1.5
+        started = time.perf_counter()
+        ids = [host.submit(self.prompt(host, blocks, seed=seed), max_tokens=2, sparse=True) for seed in (21, 22)]
+        host.run_until_idle()
+        wall = time.perf_counter() - started
+        events = [e for e in event_recorder.prefills if e.request_id in ids]
+        assert sorted(e.request_id for e in events) == sorted(ids)
+        assert all(e.route is Route.SPARSE and e.prefill_s is not None for e in events)
+        assert sum(e.prefill_s for e in events) <= wall
+
     def test_aborted_request_reports_abort_then_departs_aborted(
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:

@@ -42,7 +42,9 @@ class ContractHost(Protocol):
     ``sparse=True`` whose uncached part exceeds ``sparse_threshold`` takes the sparse
     route), ``supports_abort_all``, ``supports_fail_all``, ``supports_threads`` (then the
     adapter also has ``start()``, ``stop()`` and ``wait(id, timeout)``, see
-    :class:`ThreadedContractHost`).
+    :class:`ThreadedContractHost`). Optional: ``serves_sparse_one_at_a_time`` (the host
+    prefills one sparse request at a time, so a second one waits behind the first; a
+    host that batches them lacks it).
     """
 
     supports_sparse_route: bool

@@ -535,7 +535,8 @@ class MockEngine:
         req.output.append(int(mx.argmax(last).item()))
         now = self.clock()
         req.ttft_s = now - req.submitted_at
-        began = req.admitted_at if req.route == "dense" and req.admitted_at is not None else req.submitted_at
+        # Its own prefill, from admission: not the wait behind other requests.
+        began = req.admitted_at if req.admitted_at is not None else req.submitted_at
         prefill_s = now - began
         self._hooks.request_prefilled(
             RequestPrefilled(
@@ -551,7 +552,7 @@ class MockEngine:
                     self.engine_id, req.request_id, self.model_id, req.prompt,
                     served_start=req.cached_tokens, served_end=len(req.prompt),
                     threshold=self.sparse_threshold, keep=self.sparse_keep,
-                    prefill_s=req.ttft_s,
+                    prefill_s=prefill_s,
                 )
             )
         req.phase = DECODE

@@ -106,6 +106,7 @@ class OmlxContractHost:
     supports_abort_all = True
     supports_fail_all = True
     supports_threads = True
+    serves_sparse_one_at_a_time = True
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
@@ -132,12 +132,10 @@ class Lifecycle(EngineBook):
         threshold, keep = sparse_route_settings(request, self.member)
         with record.lock:
             live = record.live.get(request_id)
-            # From arrival: oMLX's sparse route scores the prompt with its draft before the
-            # admission step this adapter sees, and that is part of the route's cost.
-            began = live.arrived_at if live is not None else None
-            first = live.first_token_at if live is not None else None
-        if first is None:
-            first = self._clock()  # it finished in the step that made its first token
+            seen = replace(live) if live is not None else None
+        if seen is not None and seen.first_token_at is None:
+            seen.first_token_at = self._clock()  # it finished in the step that made its first token
+        prefill_s = seen.prefill_seconds(sparse=True) if seen is not None else None
         return SparseRouteServed(
             engine_id=record.engine_id,
             request_id=request_id,
@@ -147,15 +145,15 @@ class Lifecycle(EngineBook):
             served_end=len(tokens),
             threshold=threshold,
             keep=keep,
-            prefill_s=first - began if began is not None and first is not None else None,
+            prefill_s=prefill_s,
             keyed_beyond_tokens=bool(getattr(request, "vlm_extra_keys_for_cache", None)),
         )
 
     def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
         request = scheduler.running.get(request_id) or scheduler.requests.get(request_id)
         sparse = request is not None and took_sparse_route(request)
-        began = live.arrived_at if sparse else live.prefill_began()
-        if request is None or began is None or live.first_token_at is None:
+        prefill_s = live.prefill_seconds(sparse)
+        if request is None or prefill_s is None:
             return None
         return RequestPrefilled(
             engine_id=record.engine_id,
@@ -164,7 +162,7 @@ class Lifecycle(EngineBook):
             tokens=tuple(int(t) for t in (getattr(request, "prompt_token_ids", None) or ())),
             cached_tokens=int(getattr(request, "cached_tokens", 0) or 0),
             route=Route.SPARSE if sparse else Route.DENSE,
-            prefill_s=max(0.0, live.first_token_at - began),
+            prefill_s=prefill_s,
         )
 
     # -- steps -------------------------------------------------------------------------

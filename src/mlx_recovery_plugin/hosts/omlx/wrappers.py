@@ -38,6 +38,7 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         reported = False
         if record is not None and rid is not None:
             reported = bool(life.safe(life.arrive, record, rid, tokens_of_request(request), False))
+        began = life.now()
         try:
             result = original(scheduler, request, *args, **kwargs)
         except BaseException:
@@ -48,6 +49,7 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
             raise
         if record is not None and rid is not None:
             life.safe(life.arrive, record, rid, (), True)
+            life.safe(life.note_door, record, rid, life.now() - began)
         return result
 
     return add_request

@@ -36,6 +36,7 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         rid = getattr(request, "request_id", None)
         if record is not None and rid is not None:
             life.safe(life.arrive, record, rid, tokens_of_request(request), False)
+        began = life.now()
         try:
             result = original(scheduler, request, *args, **kwargs)
         except BaseException:
@@ -45,6 +46,7 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
             raise
         if record is not None and rid is not None:
             life.safe(life.arrive, record, rid, (), True)
+            life.safe(life.note_door, record, rid, life.now() - began)
         return result
 
     return add_request
