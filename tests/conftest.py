@@ -10,6 +10,16 @@ import pytest
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, load_tiny_model, write_tiny_model
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publish policy's load regime reads the machine's CPU counters; whatever else
+    runs on the machine must not change what a test's injected costs decide, so tests see
+    a machine whose load is not known (one regime) unless they inject counters."""
+    from mlx_recovery_plugin.recovery import machine_load
+
+    monkeypatch.setattr(machine_load, "read_counters", lambda: None)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer, hidden-64 float32 llama with the byte-level tokenizer."""

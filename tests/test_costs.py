@@ -159,3 +159,109 @@ def test_while_learning_a_partial_prefix_is_held_and_a_full_one_published() -> N
 def test_unknown_threshold_assumes_the_next_turn_is_dense_over_the_prefix() -> None:
     model = fitted(**ATTENTION_BOUND)
     assert verdict(model, 512, threshold=None) is not Verdict.PUBLISH
+
+
+# -- the machine's load regime ------------------------------------------------------------
+
+
+class Counters:
+    """Injected CPU counters: ``advance`` moves the machine on by ``seconds`` of wall time
+    with ``others`` of its 2 cores busy with other processes and ``own`` with this one."""
+
+    def __init__(self) -> None:
+        self.busy = self.total = self.mine = 0.0
+
+    def __call__(self) -> tuple[float, float, float]:
+        return self.busy, self.total, self.mine
+
+    def advance(self, seconds: float, others: float, own: float = 1.0) -> None:
+        self.busy += (others + own) * seconds
+        self.mine += own * seconds
+        self.total += 2 * seconds
+
+
+def test_the_load_regime_is_the_share_other_processes_took_since_the_last_look() -> None:
+    from mlx_recovery_plugin.recovery.machine_load import MachineLoad, Regime
+
+    counters = Counters()
+    load = MachineLoad(counters)
+    counters.advance(2.0, others=0.1)
+    assert load.look() is Regime.QUIET
+    counters.advance(2.0, others=1.0)  # one of the two cores: half the machine
+    assert load.look() is Regime.BUSY and load.last_share == pytest.approx(0.5)
+    counters.advance(0.05, others=0.0)  # too short to tell: the window stays open
+    assert load.look() is None
+    counters.advance(2.0, others=0.0)
+    assert load.look() is Regime.QUIET
+    assert MachineLoad(lambda: None).look() is None
+
+
+def _judge_with(counters: Counters) -> Any:
+    from mlx_recovery_plugin.recovery.judge import PublishJudge
+    from mlx_recovery_plugin.recovery.machine_load import MachineLoad
+    from mlx_recovery_plugin.settings import PublishPolicy
+
+    return PublishJudge(PublishPolicy.AUTO, 256, load=MachineLoad(counters))
+
+
+def _sparse_turn(tokens: int, seconds: float) -> Any:
+    from mlx_recovery_plugin.events import SparseRouteServed
+
+    return SparseRouteServed("e", "r", "m", tuple(range(tokens)), 0, tokens, threshold=8192, keep=0.2,
+                             prefill_s=seconds)
+
+
+def test_slices_timed_on_a_loaded_machine_do_not_stand_down_a_quiet_one() -> None:
+    """A build keeps both cores busy while the first turn is served and the first slices run
+    (all twice as slow); then the machine is quiet. The loaded evidence, against a sparse
+    turn also timed under load, must not decide the quiet machine's next turn: there the
+    policy waits for quiet slices, and with them publishes."""
+    from mlx_recovery_plugin.recovery.costs import Verdict
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(8704)), 8704)
+    counters.advance(10.0, others=1.0)
+    judge.note_route(job, _sparse_turn(8704, 10.0), appended=600, now=0.0)
+    # Loaded slices: 4 ms a token plus attention, twice the quiet machine's cost.
+    for context in (0, 1024, 2048):
+        counters.advance(5.0, others=1.0)
+        judge.observe(context, 1024, 2 * 1024 * (2e-3 + 1e-7 * (context + 512)))
+    assert judge.regime.value == "busy"
+    loaded = judge.judge(job, 8704)
+    counters.advance(5.0, others=0.0)  # the build ends
+    judge.observe(3072, 1024, 1024 * (2e-3 + 1e-7 * 3584))
+    assert judge.regime.value == "quiet"
+    # One quiet slice: the quiet model is not fitted, and the loaded one does not answer.
+    assert judge.judge(job, 8704).reason == "full prefix; dense cost not yet learned"
+    for context in (4096, 5120):
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (2e-3 + 1e-7 * (context + 512)))
+    quiet = judge.judge(job, 8704)
+    assert quiet.verdict is Verdict.PUBLISH, quiet.reason
+    # The sparse turn was timed under load: in the quiet regime it counts at the quiet
+    # machine's speed (half), not as measured.
+    assert quiet.sparse_s == pytest.approx(loaded.sparse_s / 2, rel=0.2)
+    assert judge.status()["regime_switches"] == 2
+
+
+def test_a_sparse_turn_timed_under_load_does_not_make_a_quiet_machine_publish_where_it_loses() -> None:
+    """Attention-bound: on the quiet machine the next turn's dense append costs more than
+    its sparse rerun. The first turn ran on a loaded machine (its sparse prefill took
+    twice as long); taken at face value it would make the dense append look cheap."""
+    from mlx_recovery_plugin.recovery.costs import Verdict
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(8704)), 8704)
+    counters.advance(10.0, others=1.0)
+    judge.note_route(job, _sparse_turn(8704, 4.0), appended=600, now=0.0)  # 2.0 s quiet
+    for context in (0, 2048, 4096, 6144, 7680):
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (1e-4 + 4e-7 * (context + 512)))
+    decision = judge.judge(job, 8704)
+    # Dense append of 600 over 8704: ~2.2 s; the quiet sparse rerun is no more than the
+    # kept share's dense prefill estimate (~0.2 s), not the 4 s measured under load.
+    assert decision.verdict is not Verdict.PUBLISH, decision.reason

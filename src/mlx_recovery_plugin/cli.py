@@ -29,6 +29,7 @@ COMMAND_MODULES = (
 BENCH_MODULES = (
     "mlx_recovery_plugin.bench.adopter",
     "mlx_recovery_plugin.bench.server.cli",
+    "mlx_recovery_plugin.bench.policy.cli",
 )
 
 log = logging.getLogger(__name__)

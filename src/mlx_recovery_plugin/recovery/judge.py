@@ -14,7 +14,7 @@ change and replaces in one assignment, so a reader never iterates live state.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -31,6 +31,7 @@ from .costs import (
     sparse_rerun_seconds,
 )
 from .jobs import RecoveryJob
+from .machine_load import MachineLoad, Regime
 
 # The keep share assumed when the host does not say (oMLX's default).
 DEFAULT_KEEP = 0.2
@@ -42,12 +43,12 @@ RETURN_HALF_LIFE_S = 180.0
 @dataclass(slots=True)
 class RouteMemory:
     """What the host said of one conversation's sparse route: ``threshold`` and ``keep``
-    (None: unknown), ``sparse`` (its last measured sparse prefill), ``last_append`` (how
-    much the conversation grew at its last turn)."""
+    (None: unknown), ``sparse`` (its last measured sparse prefill in each load regime),
+    ``last_append`` (how much the conversation grew at its last turn)."""
 
     threshold: int | None = None
     keep: float | None = None
-    sparse: SparseSample | None = None
+    sparse: dict[Regime, SparseSample] = field(default_factory=dict)
     last_append: int | None = None
     #: What the last publication expected the next dense turn to cost (seconds), if any.
     predicted_dense_s: float | None = None
@@ -58,10 +59,16 @@ class RouteMemory:
 class PublishJudge:
     """Publish, hold or stand down, for one engine's jobs."""
 
-    def __init__(self, policy: PublishPolicy, block_size: int) -> None:
+    def __init__(self, policy: PublishPolicy, block_size: int, load: MachineLoad | None = None) -> None:
         self.policy = policy
         self.block_size = block_size
-        self.costs = DenseCostModel()
+        # One cost model per load regime: a loaded sample never answers for a quiet
+        # machine, nor a quiet one for a loaded machine. ``costs`` is the current regime's.
+        self._load = load if load is not None else MachineLoad()
+        self._models = {regime: DenseCostModel() for regime in Regime}
+        self.regime = Regime.QUIET
+        self.costs = self._models[self.regime]
+        self._switches = 0
         self.last: Decision | None = None
         self._routes: dict[int, RouteMemory] = {}
         # What the host's own turns said of the predictions (engine thread).
@@ -83,16 +90,18 @@ class PublishJudge:
             route.threshold = int(event.threshold)
         if event.keep is not None:
             route.keep = float(event.keep)
+        regime = self._look()
         if event.prefill_s is not None and event.prefill_s > 0:
-            route.sparse = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
+            route.sparse[regime] = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
         if appended is not None:
             route.last_append = appended
 
     @property
     def evidence(self) -> int:
-        """Grows whenever what the policy knows changes (the dense cost model's evidence,
-        a sparse turn measured): a verdict taken on less may be revisited."""
-        return self.costs.evidence + self._sparse_updates
+        """Grows whenever what the policy knows changes (a cost model's evidence, a sparse
+        turn measured, the machine's load regime): a verdict taken on less may be
+        revisited."""
+        return sum(m.evidence for m in self._models.values()) + self._sparse_updates + self._switches
 
     def keep_only(self, job_ids: Iterable[int]) -> None:
         """Forget the conversations whose jobs have left the book."""
@@ -102,23 +111,25 @@ class PublishJudge:
 
     def observe(self, context: int, tokens: int, seconds: float) -> None:
         """A whole slice of ``tokens`` on top of ``context`` took ``seconds``."""
-        self.costs.observe(context, tokens, seconds)
+        self._models[self._look()].observe(context, tokens, seconds)
         self._status = self._build_status()
 
     def observe_turn(self, job: RecoveryJob | None, event: RequestPrefilled) -> None:
         """The host prefilled a turn: its own dense append is the best evidence of what one
         costs here, and, after a publication, the check of what the policy expected."""
         uncached = len(event.tokens) - event.cached_tokens
+        regime = self._look()
         if event.route is Route.DENSE and event.cached_tokens > 0 and uncached > 0:
-            self.costs.observe(event.cached_tokens, uncached, event.prefill_s, Source.HOST)
+            self._models[regime].observe(event.cached_tokens, uncached, event.prefill_s, Source.HOST)
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
-            route.sparse = SparseSample(uncached, event.prefill_s)
+            route.sparse[regime] = SparseSample(uncached, event.prefill_s)
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
-            sparse = sparse_rerun_seconds(self.costs, len(event.tokens), keep, route.sparse) if route.sparse else None
+            measured = self._sparse_sample(route, keep)
+            sparse = sparse_rerun_seconds(self.costs, len(event.tokens), keep, measured) if measured else None
             self._last_turn = {
                 "cached_tokens": event.cached_tokens,
                 "prefill_s": event.prefill_s,
@@ -139,7 +150,7 @@ class PublishJudge:
         full = job.publish_end(self.block_size)
         next_tokens = len(job.tokens) + (route.last_append or DEFAULT_APPEND_TOKENS)
         keep = route.keep if route.keep is not None else DEFAULT_KEEP
-        sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, route.sparse)
+        sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, self._sparse_sample(route, keep))
         if sparse is None:
             return 0.0
         dense = self.costs.seconds(max(0, next_tokens - full), full) or 0.0
@@ -153,14 +164,15 @@ class PublishJudge:
             decision = Decision(Verdict.PUBLISH, "policy: always")
         else:
             route = self._routes.get(job.job_id) or RouteMemory()
+            keep = route.keep if route.keep is not None else DEFAULT_KEEP
             decision = decide(
                 self.costs,
                 boundary=boundary,
                 full_boundary=job.publish_end(self.block_size),
                 next_tokens=len(job.tokens) + (route.last_append or DEFAULT_APPEND_TOKENS),
                 threshold=route.threshold,
-                keep=route.keep if route.keep is not None else DEFAULT_KEEP,
-                measured=route.sparse,
+                keep=keep,
+                measured=self._sparse_sample(route, keep),
             )
         self.last = decision
         memory = self._routes.get(job.job_id)
@@ -181,12 +193,38 @@ class PublishJudge:
         """The policy's status as of its last change (any thread)."""
         return self._status
 
+    def _look(self) -> Regime:
+        """The machine's load regime now (kept where it cannot be told); a change of
+        regime switches the cost model that answers."""
+        regime = self._load.look()
+        if regime is not None and regime is not self.regime:
+            self.regime, self.costs = regime, self._models[regime]
+            self._switches += 1
+        return self.regime
+
+    def _sparse_sample(self, route: RouteMemory, keep: float) -> SparseSample | None:
+        """The conversation's sparse turn as it would cost in the current regime: one
+        measured in it, else one measured in the other regime scaled by how the two
+        regimes' dense costs compare at its size, else None (the kept share alone)."""
+        own = route.sparse.get(self.regime)
+        if own is not None:
+            return own
+        for regime, sample in route.sparse.items():
+            kept = max(1, round(keep * sample.tokens))
+            here, there = self.costs.seconds(kept, 0), self._models[regime].seconds(kept, 0)
+            if here and there:
+                return SparseSample(sample.tokens, sample.seconds * here / there)
+        return None
+
     def _build_status(self) -> MappingProxyType[str, Any]:
         coefficients = self.costs.coefficients()
         decision = self.last
         return MappingProxyType(
             {
                 "mode": self.policy.value,
+                "load_regime": self.regime.value,
+                "others_load_share": self._load.last_share,
+                "regime_switches": self._switches,
                 "dense_cost_samples": self.costs.samples,
                 "host_dense_samples": self.costs.host_samples,
                 "evidence": self.evidence,

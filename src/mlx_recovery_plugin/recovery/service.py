@@ -108,7 +108,7 @@ class EngineRecovery:
         self.judge = PublishJudge(settings.publish_policy, self.block_size)
         self._sizer = SliceSizer(
             settings.slice_tokens_for(self.model_id, int(port.prefill_step)), self.block_size, budget.remaining_s,
-            predict=self.judge.costs.seconds,
+            predict=lambda tokens, context: self.judge.costs.seconds(tokens, context),
         )
         self._ledger = ReleaseLedger(self.engine_id, self._count_fault)
         self._live = LiveDense(

@@ -1,0 +1,65 @@
+"""``mlx-recovery bench policy``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from ..openblas import add_openblas_flag, maybe_reexec
+from .cells import CONTEXTS, SHAPES, full_matrix, parse_shape, quick_matrix
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "policy",
+        help="the publish policy's verdicts against the truth over target shapes, contexts and load",
+        description="For each cell (target shape x context x competing CPU load), measure on the real oMLX "
+        "scheduler in process the next turn's cached dense append against its sparse rerun (the truth), "
+        "and what the recovery plugin decided for that turn after the first one was served on the sparse "
+        "route; print the confusion matrix and what each wrong verdict cost.",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny models at contexts scaled to a 256-token threshold (CI)")
+    p.add_argument("--shapes", nargs="+", metavar="HxLxFFNxQxKV",
+                   help="target shapes (default: " + " ".join(
+                       f"{s.hidden_size}x{s.num_layers}x{s.intermediate_size}x{s.num_heads}x{s.num_kv_heads}"
+                       for s in SHAPES) + ")")
+    p.add_argument("--contexts", nargs="+", type=int, help=f"first-turn tokens (default {' '.join(map(str, CONTEXTS))})")
+    p.add_argument("--load", choices=("both", "off", "on"), default="both", help="cells with a competing CPU load "
+                   "during the first turn and recovery's idle time (default both)")
+    p.add_argument("--load-processes", type=int, default=None, help="busy processes of the load (default: one per core)")
+    p.add_argument("--repeats", type=int, default=2, help="dense/sparse pairs per cell (default 2)")
+    p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
+    p.add_argument("--model-dir", metavar="DIR", help="where the random-weight models are written (default: a temp dir)")
+    p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
+    add_openblas_flag(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    maybe_reexec(args)
+    from .report import format_report
+    from .run import run_matrix
+
+    loads = {"both": (False, True), "off": (False,), "on": (True,)}[args.load]
+    try:
+        if args.quick:
+            matrix = quick_matrix(loads)
+        else:
+            shapes = tuple(parse_shape(s, seed=30 + i) for i, s in enumerate(args.shapes)) if args.shapes else SHAPES
+            matrix = full_matrix(shapes, tuple(args.contexts) if args.contexts else CONTEXTS, loads)
+        if args.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+    except ValueError as exc:
+        print(f"mlx-recovery bench policy: {exc}", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="mlx-recovery-bench-policy-"))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    report = run_matrix(matrix, model_dir, budget_pct=args.budget, repeats=args.repeats,
+                        load_processes=args.load_processes,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        report.write_json(args.json)
+    return 0

@@ -1,0 +1,35 @@
+"""A competing CPU load: other processes spinning on every core, as a user's machine has
+while it builds, indexes or serves another model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import TracebackType
+
+_SPIN = "while True:\n    pass\n"
+
+
+class CompetingLoad:
+    """Start ``processes`` busy loops on entry (default: one per core); stop them on exit.
+    Owned by the bench's thread."""
+
+    def __init__(self, processes: int | None = None) -> None:
+        self.processes = processes if processes is not None else (os.cpu_count() or 1)
+        self._children: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> CompetingLoad:
+        for _ in range(self.processes):
+            self._children.append(subprocess.Popen([sys.executable, "-c", _SPIN]))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        children, self._children = self._children, []
+        for child in children:
+            child.kill()
+        for child in children:
+            child.wait()

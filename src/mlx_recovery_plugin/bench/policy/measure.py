@@ -1,0 +1,232 @@
+"""One cell of ``bench policy``: the truth and the verdict, on the real oMLX scheduler.
+
+* **Truth**, on a quiet machine: the ``sparse_off`` arm serves the first turn densely and
+  then the next turn (``append`` new tokens over the cached prefix): the host's cached
+  dense append; the ``sparse_on`` arm serves the same next turn with nothing cached, on its
+  sparse route: the sparse rerun. Each is measured ``repeats`` times (the next turn forks
+  from the same prefix with other appended tokens), the two arms alternating.
+* **Verdict**: the ``sparse_recovery`` arm serves the first turn on the sparse route and
+  then has as much idle time as recovery asks for (a virtual clock skips the budget's
+  waits; slices run for real). In a loaded cell a competing load runs through the first
+  turn and the first stretch of idle time, then stops: the policy sees both a loaded and
+  a quiet machine before the next turn arrives on a quiet one. What it got (cached
+  tokens, time to first token) is what the policy decided; the policy's last decision
+  and its estimates come from the plugin's status.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...demo.arms import ServeConfig
+from ...demo.omlx import OmlxArm
+from .cells import Cell, Matrix
+from .load import CompetingLoad
+
+# Idle time the recovery arm may have at most (virtual seconds): enough for any cell.
+IDLE_CAP_S = 7200.0
+# A loaded cell keeps the load on through the first turn and this share of the time a
+# quiet dense read of the whole prefix takes.
+LOADED_SHARE_OF_READ = 0.5
+# Virtual idle seconds per look while the load is on.
+IDLE_STEP_S = 2.0
+# Idle time after a turn without recovery: the host finishes its own work (cache writes).
+SETTLE_S = 1.0
+# A later turn at most this much slower than the sparse route is not a loss.
+SLOWER_MARGIN = 1.1
+# A fully recovered prefix that makes the next turn at least this much faster must be
+# published.
+PAYS_BY = 1.3
+
+
+@dataclass(slots=True)
+class CellResult:
+    cell: Cell
+    dense_append_s: list[float]
+    sparse_rerun_s: list[float]
+    dense_cached: int
+    recovery_turn_s: float
+    recovery_cached: int
+    verdict: str  # published | partial | held | stood_down | nothing
+    policy: dict[str, Any] = field(default_factory=dict)
+    tokens_run: int = 0
+    tokens_recovered: int = 0
+    idle_s: float = 0.0
+
+    @property
+    def dense_s(self) -> float:
+        return statistics.median(self.dense_append_s)
+
+    @property
+    def sparse_s(self) -> float:
+        return statistics.median(self.sparse_rerun_s)
+
+    @property
+    def pays(self) -> float:
+        """How much faster the next turn is with the whole prefix cached (sparse / dense)."""
+        return self.sparse_s / max(self.dense_s, 1e-9)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The pays ratio's range over the pairs measured (each dense append with the
+        sparse rerun measured beside it)."""
+        ratios = [s / max(d, 1e-9) for d, s in zip(self.dense_append_s, self.sparse_rerun_s, strict=True)]
+        return min(ratios), max(ratios)
+
+    @property
+    def truth(self) -> str:
+        """``pays`` (publish: by PAYS_BY or more), ``loses`` (do not: the dense append is
+        more than SLOWER_MARGIN of the sparse rerun) or ``close`` (either is fine)."""
+        if self.pays >= PAYS_BY:
+            return "pays"
+        if self.dense_s > SLOWER_MARGIN * self.sparse_s:
+            return "loses"
+        return "close"
+
+    @property
+    def published(self) -> bool:
+        return self.verdict == "published"
+
+    @property
+    def wrong(self) -> bool:
+        if self.truth == "pays":
+            return not self.published
+        if self.truth == "loses":
+            return self.published or self.turn_ratio > SLOWER_MARGIN
+        return self.turn_ratio > SLOWER_MARGIN
+
+    @property
+    def turn_ratio(self) -> float:
+        """The next turn with recovery against the sparse rerun."""
+        return self.recovery_turn_s / max(self.sparse_s, 1e-9)
+
+    @property
+    def cost_s(self) -> float:
+        """Seconds the verdict cost the next turn against the better route (0 if right)."""
+        return max(0.0, self.recovery_turn_s - min(self.dense_s, self.sparse_s)) if self.wrong else 0.0
+
+    @property
+    def committed_share(self) -> float | None:
+        return self.tokens_recovered / self.tokens_run if self.tokens_run else None
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.cell.shape
+        return {
+            "shape": {"hidden": s.hidden_size, "layers": s.num_layers, "ffn": s.intermediate_size,
+                      "heads": s.num_heads, "kv_heads": s.num_kv_heads, "seed": s.seed},
+            "context": self.cell.context, "append": self.cell.append, "loaded": self.cell.loaded,
+            "dense_append_s": self.dense_append_s, "sparse_rerun_s": self.sparse_rerun_s,
+            "dense_cached": self.dense_cached, "pays": self.pays, "pays_range": list(self.spread),
+            "truth": self.truth, "verdict": self.verdict, "wrong": self.wrong, "cost_s": self.cost_s,
+            "recovery_turn_s": self.recovery_turn_s, "recovery_cached": self.recovery_cached,
+            "turn_ratio": self.turn_ratio, "tokens_run": self.tokens_run,
+            "tokens_recovered": self.tokens_recovered, "committed_share": self.committed_share,
+            "idle_s": self.idle_s, "policy": self.policy,
+        }
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def serve_config(matrix: Matrix, budget_pct: float) -> ServeConfig:
+    return ServeConfig(
+        model_id="policy-target", block_size=matrix.block, prefill_step=matrix.prefill_step,
+        sparse_threshold=matrix.threshold, max_tokens=2, budget_pct=budget_pct,
+        pool_blocks=max(4096, 8 * (max(c.context for c in matrix.cells) // matrix.block + 8)),
+    )
+
+
+def measure_cell(
+    models: tuple[Any, Any, Any], cell: Cell, matrix: Matrix, *, budget_pct: float = 50.0,
+    repeats: int = 2, seed: int = 0, load_processes: int | None = None, cache_root: Path | None = None,
+) -> CellResult:
+    model, tokenizer, draft = models
+    config = serve_config(matrix, budget_pct)
+    base = tokens(cell.context, seed)
+    nexts = [base + tokens(cell.append, seed + 1 + k) for k in range(max(1, repeats))]
+    with tempfile.TemporaryDirectory(prefix="bench-policy-", dir=cache_root) as root:
+        off = OmlxArm("sparse_off", model, tokenizer, draft, config, Path(root) / "off")
+        on = OmlxArm("sparse_on", model, tokenizer, draft, config, Path(root) / "on")
+        try:
+            off_first_s = off.serve(base, 0).row.ttft_s
+            off.think(SETTLE_S)
+            on.serve(base, 0)
+            on.think(SETTLE_S)
+            dense, sparse, cached = [], [], 0
+            for k, prompt in enumerate(nexts):
+                first, second = (off, on) if k % 2 == 0 else (on, off)
+                for arm in (first, second):
+                    row = arm.serve(prompt, k + 1).row
+                    arm.think(SETTLE_S)
+                    if arm is off:
+                        dense.append(row.ttft_s)
+                        cached = row.cached_tokens
+                    else:
+                        sparse.append(row.ttft_s)
+        finally:
+            off.close()
+            on.close()
+        rec = OmlxArm("sparse_recovery", model, tokenizer, draft, config, Path(root) / "rec")
+        try:
+            # Loaded: the first turn and the first stretch of idle time (half what a
+            # quiet dense read of the prefix takes), then a quiet machine for the rest and
+            # the next turn, as when a user's build or another model ends.
+            load_s = LOADED_SHARE_OF_READ * off_first_s
+            with CompetingLoad(load_processes) if cell.loaded else nullcontext() as load:
+                rec.serve(base, 0)
+                started = time.perf_counter()
+                while load is not None and time.perf_counter() - started < load_s and _offering(rec):
+                    rec.think(IDLE_STEP_S)
+                if load is not None:
+                    load.stop()
+                rec.think(IDLE_CAP_S)
+            assert rec.plugin is not None
+            before = _engine_status(rec.plugin.status())
+            row = rec.serve(nexts[0], 1).row
+            rec.think(SETTLE_S)
+        finally:
+            rec.close()
+    jobs = before.get("jobs", [])
+    counters = before.get("counters", {})
+    return CellResult(
+        cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached,
+        recovery_turn_s=row.ttft_s, recovery_cached=row.cached_tokens,
+        verdict=_verdict(row.cached_tokens, cached, matrix.block, jobs, counters),
+        policy={k: before.get("policy", {}).get(k) for k in
+                ("verdict", "reason", "dense_append_s", "sparse_rerun_s", "dense_cost_samples")},
+        tokens_run=int(counters.get("tokens_run", 0)), tokens_recovered=int(counters.get("tokens_recovered", 0)),
+        idle_s=rec.result.recovery_seconds,
+    )
+
+
+def _offering(arm: OmlxArm) -> bool:
+    """The recovery arm's plugin still wants idle time."""
+    idle = arm.instrumentor.idle_snapshot(arm.scheduler) if arm.instrumentor is not None else None
+    return bool(idle and idle.get("offering"))
+
+
+def _engine_status(status: dict[str, Any]) -> dict[str, Any]:
+    engines = status.get("engines") or {}
+    values = list(engines.values()) if isinstance(engines, dict) else list(engines)
+    return dict(values[0]) if values else {}
+
+
+def _verdict(cached: int, dense_cached: int, block: int, jobs: list[dict[str, Any]], counters: dict[str, Any]) -> str:
+    if cached > 0 and cached >= dense_cached - block:
+        return "published"
+    if any(job.get("stood_down") for job in jobs) or counters.get("jobs_stood_down", 0):
+        return "stood_down"
+    if cached > 0:
+        return "partial"
+    if any(job.get("held_tokens") for job in jobs):
+        return "held"
+    return "nothing"

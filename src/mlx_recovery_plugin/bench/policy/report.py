@@ -1,0 +1,80 @@
+"""What ``bench policy`` prints and writes: the cells, the confusion matrix, the goals."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .measure import PAYS_BY, SLOWER_MARGIN, CellResult
+
+TRUTHS = ("pays", "close", "loses")
+
+
+@dataclass(slots=True)
+class PolicyReport:
+    results: list[CellResult] = field(default_factory=list)
+    blas: str = ""
+    budget_pct: float = 50.0
+    repeats: int = 2
+    threshold: int = 0
+
+    def confusion(self) -> dict[str, dict[str, int]]:
+        """Truth (rows) against what the policy did (published or not)."""
+        table = {truth: {"published": 0, "not_published": 0} for truth in TRUTHS}
+        for r in self.results:
+            table[r.truth]["published" if r.published else "not_published"] += 1
+        return table
+
+    def goals(self) -> dict[str, bool]:
+        return {
+            f"no wrong stand-down where the full prefix pays by {PAYS_BY:g}x or more": not any(
+                r.truth == "pays" and r.verdict == "stood_down" for r in self.results),
+            f"no publication that makes a turn slower than {SLOWER_MARGIN:g}x the sparse route": not any(
+                r.published and r.turn_ratio > SLOWER_MARGIN for r in self.results),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "blas": self.blas, "budget_pct": self.budget_pct, "repeats": self.repeats,
+            "threshold": self.threshold,
+            "cells": [r.as_dict() for r in self.results],
+            "confusion": self.confusion(), "goals": self.goals(),
+            "wrong": sum(r.wrong for r in self.results),
+            "wrong_cost_s": sum(r.cost_s for r in self.results),
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=1))
+
+
+def format_report(report: PolicyReport) -> str:
+    lines = [
+        f"bench policy: {len(report.results)} cells, budget {report.budget_pct:g} %, "
+        f"host threshold {report.threshold}, BLAS {report.blas}",
+        "truth: the host's cached dense append of the next turn against its sparse rerun, "
+        f"{report.repeats} pair(s) alternating, on a quiet machine",
+        "",
+        f"{'cell':<44} {'dense s':>8} {'sparse s':>8} {'pays':>5} {'range':>11} {'truth':>6} "
+        f"{'verdict':>10} {'rec s':>7} {'rec/sp':>6} {'cached':>7} {'kept':>5} {'cost s':>6}",
+    ]
+    for r in report.results:
+        lo, hi = r.spread
+        kept = f"{r.committed_share:.2f}" if r.committed_share is not None else "-"
+        mark = " !" if r.wrong else ""
+        lines.append(
+            f"{r.cell.label:<44} {r.dense_s:8.2f} {r.sparse_s:8.2f} {r.pays:5.2f} {lo:5.2f}-{hi:<5.2f} "
+            f"{r.truth:>6} {r.verdict:>10} {r.recovery_turn_s:7.2f} {r.turn_ratio:6.2f} "
+            f"{r.recovery_cached:7d} {kept:>5} {r.cost_s:6.2f}{mark}"
+        )
+    lines += ["", "confusion (truth x what the policy did):"]
+    for truth, row in report.confusion().items():
+        lines.append(f"  {truth:<6} published {row['published']:3d}   not published {row['not_published']:3d}")
+    wrong = [r for r in report.results if r.wrong]
+    lines.append(f"wrong verdicts: {len(wrong)}, costing {sum(r.cost_s for r in wrong):.2f} s of next-turn time")
+    for r in wrong:
+        lines.append(f"  {r.cell.label}: {r.verdict} ({r.policy.get('reason')})")
+    for goal, met in report.goals().items():
+        lines.append(f"{'met' if met else 'MISSED'}: {goal}")
+    return "\n".join(lines)

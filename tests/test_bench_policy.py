@@ -1,0 +1,87 @@
+"""``bench policy``: its verdict bookkeeping, its load, and a quick matrix end to end on
+the real oMLX scheduler (tiny models; timings are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_recovery_plugin.bench.policy.cells import Cell, parse_shape, quick_matrix
+from mlx_recovery_plugin.bench.policy.load import CompetingLoad
+from mlx_recovery_plugin.bench.policy.measure import CellResult
+from mlx_recovery_plugin.bench.policy.report import PolicyReport, format_report
+from mlx_recovery_plugin.cli import main
+from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
+
+CELL = Cell(TinyModelSpec(), 1024, 128, loaded=False)
+
+
+def result(dense: float, sparse: float, verdict: str, turn: float) -> CellResult:
+    return CellResult(CELL, [dense], [sparse], 1024, turn, 1024 if verdict == "published" else 0, verdict)
+
+
+def test_a_verdict_is_wrong_only_where_the_truth_says_so_and_costs_what_the_turn_lost() -> None:
+    # The full prefix makes the next turn 2x faster: standing down cost the difference.
+    missed = result(dense=1.0, sparse=2.0, verdict="stood_down", turn=2.0)
+    assert (missed.truth, missed.wrong, missed.cost_s) == ("pays", True, pytest.approx(1.0))
+    # The dense append is 1.5x the sparse rerun: publishing cost the turn half a second.
+    published = result(dense=1.5, sparse=1.0, verdict="published", turn=1.5)
+    assert (published.truth, published.wrong, published.cost_s) == ("loses", True, pytest.approx(0.5))
+    # Right either way.
+    assert not result(dense=1.5, sparse=1.0, verdict="stood_down", turn=1.0).wrong
+    assert not result(dense=1.0, sparse=2.0, verdict="published", turn=1.0).wrong
+    # Close: either is fine, unless the turn came out slower than the sparse route.
+    close = result(dense=1.0, sparse=1.1, verdict="held", turn=1.1)
+    assert close.truth == "close" and not close.wrong
+    assert result(dense=1.0, sparse=1.1, verdict="partial", turn=1.5).wrong
+
+
+def test_the_report_counts_the_confusion_matrix_and_names_a_missed_goal() -> None:
+    report = PolicyReport([
+        result(1.0, 2.0, "stood_down", 2.0), result(1.0, 2.0, "published", 1.0),
+        result(1.5, 1.0, "published", 1.5),
+    ])
+    assert report.confusion()["pays"] == {"published": 1, "not_published": 1}
+    assert report.confusion()["loses"] == {"published": 1, "not_published": 0}
+    assert list(report.goals().values()) == [False, False]
+    text = format_report(report)
+    assert text.count("MISSED") == 2 and "wrong verdicts: 2" in text
+
+
+def test_the_competing_load_runs_one_process_per_core_and_leaves_none_behind() -> None:
+    with CompetingLoad(2) as load:
+        children = list(load._children)
+        assert len(children) == 2 and all(child.poll() is None for child in children)
+    assert all(child.returncode is not None for child in children)
+
+
+def test_a_shape_is_checked_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_shape("2048x4x5632x32x8").num_kv_heads == 8
+    with pytest.raises(ValueError, match="heads must divide"):
+        parse_shape("1000x2x2000x16x4")
+    assert main(["bench", "policy", "--shapes", "64x2", "--no-openblas"]) == 2
+    assert "HIDDENxLAYERSxFFNxHEADSxKV" in capsys.readouterr().err
+
+
+def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Path) -> None:
+    pytest.importorskip("omlx", reason="the oMLX scheduler is installed in .venv-omlx (CI)")
+    from mlx_recovery_plugin.bench.policy.run import run_matrix
+
+    matrix = quick_matrix()
+    report = run_matrix(matrix, tmp_path, repeats=2)  # every arm checks it left no block reference
+    assert len(report.results) == len(matrix.cells) == 8
+    for r in report.results:
+        assert len(r.dense_append_s) == len(r.sparse_rerun_s) == 2
+        assert r.dense_cached == r.cell.context  # the dense route cached the whole first turn
+        assert r.verdict in ("published", "partial", "held", "stood_down", "nothing")
+        if r.published:
+            assert r.recovery_cached >= r.dense_cached - matrix.block
+            assert r.tokens_recovered >= r.recovery_cached - matrix.block
+        assert r.tokens_recovered <= r.tokens_run
+    assert sum(sum(row.values()) for row in report.confusion().values()) == 8
+    report.write_json(tmp_path / "policy.json")
+    saved = json.loads((tmp_path / "policy.json").read_text())
+    assert [c["loaded"] for c in saved["cells"]] == [False, True] * 4
+    assert set(saved["goals"]) == set(report.goals())
