@@ -150,9 +150,11 @@ def recovery_plugin(model_id: str, hold: Hold) -> RecoveryPlugin:
         return HeldRunner(default_runner_factory(model, block_size, interruptible), hold)
 
     return RecoveryPlugin(
+        # Publication mechanics on partial prefixes: the auto policy would hold a partial
+        # prefix under a next turn that stays sparse.
         settings=RecoverySettings(
             budget_pct=100.0, slice_tokens=BLOCK, idle_steps=1,
-            models={model_id: ModelSettings(enabled=True)},
+            models={model_id: ModelSettings(enabled=True)}, publish_policy="always",
         ),
         runner_factory=factory,
         control_socket=False,

@@ -23,7 +23,11 @@ from mlx_recovery_plugin.testing.host import MockHost
 B = 64
 STEP = 128
 MODEL = "tiny"
-SETTINGS = RecoverySettings(budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}})
+# These rigs test publication mechanics on partial prefixes; the auto policy would hold
+# a partial prefix under a next turn that stays sparse (see tests/test_costs.py).
+SETTINGS = RecoverySettings(
+    budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}}, publish_policy="always",
+)
 
 FIRST_PROMPT = [random.Random(1).randrange(256) for _ in range(520)]  # 4 slices of work
 SECOND_PROMPT = FIRST_PROMPT + [random.Random(2).randrange(256) for _ in range(90)]

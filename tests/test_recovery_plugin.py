@@ -30,8 +30,11 @@ STEP = 128
 MODEL = "tiny"
 
 
+# These rigs test publication mechanics on partial prefixes; the auto policy would hold
+# a partial prefix under a next turn that stays sparse (see tests/test_costs.py).
 def make_settings(**overrides: Any) -> RecoverySettings:
     values: dict[str, Any] = {
+        "publish_policy": "always",
         "budget_pct": 50.0,
         "idle_steps": 2,
         "models": {MODEL: {"enabled": True}},

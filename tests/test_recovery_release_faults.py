@@ -16,7 +16,11 @@ from mlx_recovery_plugin.testing.host import MockHost
 
 B = 16
 MODEL = "tiny"
-SETTINGS = RecoverySettings(budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}})
+# These rigs test publication mechanics on partial prefixes; the auto policy would hold
+# a partial prefix under a next turn that stays sparse (see tests/test_costs.py).
+SETTINGS = RecoverySettings(
+    budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}}, publish_policy="always",
+)
 DENSE = [random.Random(9).randrange(256) for _ in range(400)]
 
 

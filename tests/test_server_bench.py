@@ -209,6 +209,24 @@ def test_the_report_gives_the_oracle_and_signed_differences() -> None:
         format_session(result)
 
 
+def test_the_best_reachable_counts_a_later_turn_as_recovered_only_once_the_idle_time_allows() -> None:
+    """Dense rate 900 tokens/s (sparse off's first turn), budget 50 %, 12 s of idle time
+    after each step: 5,400 tokens can be re-read per gap, so turn 2 (9,000 to cover) counts
+    at sparse on's time and turn 3 (9,600 to cover, 10,800 readable) at sparse off's."""
+    result = SessionResult("agent", "test", budget_pct=50.0)
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0), (10200, 9600, 1.1)],
+            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0), (10200, 0, 3.2)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 0, 3.0), (10200, 9216, 1.2)]}
+    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    for step in result.arms["sparse_recovery"].steps:
+        step.idle_after_s = 12.0
+    sums = result.sums()
+    assert sums["oracle"] == pytest.approx(2.0 + 1.0 + 1.1)
+    assert sums["best_reachable"] == pytest.approx(2.0 + 3.0 + 1.1)
+    assert result.worst_later_turn() == pytest.approx(1.0)
+    assert "best reachable +0.10 s" in "\n".join(format_session(result))
+
+
 # -- the real server -------------------------------------------------------------------
 
 

@@ -66,10 +66,12 @@ class Decision:
 
 @dataclass(slots=True, frozen=True)
 class SparseSample:
-    """The host's sparse prefill of a ``tokens``-token prompt took ``seconds``."""
+    """The host's sparse prefill of a ``tokens``-token prompt took ``seconds``, while
+    other processes used ``others_share`` of the machine (None: not known)."""
 
     tokens: int
     seconds: float
+    others_share: float | None = None
 
 
 class Source(str, Enum):
@@ -270,16 +272,25 @@ def decide(
     keep: float,
     measured: SparseSample | None,
     margin: float = PAYS_MARGIN,
+    measured_here: bool = True,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
     ``next_tokens`` is the expected length of the conversation's next prompt,
     ``full_boundary`` the longest prefix recovery can reach, ``threshold`` the host's
     sparse threshold on uncached tokens (None: unknown, so assume the next turn is
-    prefilled densely over whatever is cached)."""
+    prefilled densely over whatever is cached). ``measured_here``: ``measured`` was
+    timed on the machine as it is now (not carried over from another load regime); a
+    stand-down needs it."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
-        return Decision(Verdict.PUBLISH, f"next turn stays sparse ({uncached} uncached > {threshold})")
+        if boundary >= full_boundary:
+            return Decision(Verdict.PUBLISH, f"next turn stays sparse ({uncached} uncached > {threshold})")
+        # A partial prefix under a turn that stays sparse saves only the kept share of its
+        # tokens, and costs a host that caches its draft's reading by the uncached part
+        # (oMLX) that reading: measured, 256 cached made the sparse turn 4.4x slower.
+        return Decision(Verdict.HOLD, f"a {boundary}-token prefix leaves the next turn sparse ({uncached} "
+                        f"uncached > {threshold}); holding until {full_boundary}")
     dense = model.estimate(uncached, boundary)
     sparse = sparse_rerun_seconds(model, next_tokens, keep, measured)
     if dense is None or sparse is None:
@@ -293,6 +304,13 @@ def decide(
         )
     full = model.estimate(max(0, next_tokens - full_boundary), full_boundary)
     assert full is not None  # fitted, as dense is
+    if full.low > sparse and not measured_here:
+        return Decision(
+            Verdict.HOLD,
+            f"a cached dense append ({full.mid:.2f} s) looks slower than a sparse rerun ({sparse:.2f} s), but "
+            "the sparse route has not been timed with the machine as loaded as now; held for a measurement",
+            full.mid, sparse,
+        )
     if full.low > sparse:
         # Confidently slower: even the cheapest reading of the evidence loses to sparse.
         return Decision(

@@ -92,7 +92,9 @@ class PublishJudge:
             route.keep = float(event.keep)
         regime = self._look()
         if event.prefill_s is not None and event.prefill_s > 0:
-            route.sparse[regime] = SparseSample(len(event.tokens) - event.served_start, float(event.prefill_s))
+            route.sparse[regime] = SparseSample(
+                len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share,
+            )
         if appended is not None:
             route.last_append = appended
 
@@ -124,7 +126,7 @@ class PublishJudge:
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
-            route.sparse[regime] = SparseSample(uncached, event.prefill_s)
+            route.sparse[regime] = SparseSample(uncached, event.prefill_s, self._load.last_share)
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
@@ -173,6 +175,7 @@ class PublishJudge:
                 threshold=route.threshold,
                 keep=keep,
                 measured=self._sparse_sample(route, keep),
+                measured_here=self.regime in route.sparse,
             )
         self.last = decision
         memory = self._routes.get(job.job_id)
@@ -204,8 +207,9 @@ class PublishJudge:
 
     def _sparse_sample(self, route: RouteMemory, keep: float) -> SparseSample | None:
         """The conversation's sparse turn as it would cost in the current regime: one
-        measured in it, else one measured in the other regime scaled by how the two
-        regimes' dense costs compare at its size, else None (the kept share alone)."""
+        measured in it; else one measured in the other regime, scaled by how the two
+        regimes' dense costs compare at its size, or (not comparable yet) by the share of
+        the machine this process had then and has now; else None."""
         own = route.sparse.get(self.regime)
         if own is not None:
             return own
@@ -214,6 +218,10 @@ class PublishJudge:
             here, there = self.costs.seconds(kept, 0), self._models[regime].seconds(kept, 0)
             if here and there:
                 return SparseSample(sample.tokens, sample.seconds * here / there)
+            now = self._load.last_share
+            if sample.others_share is not None and now is not None:
+                ours_then, ours_now = 1.0 - min(sample.others_share, 0.9), 1.0 - min(now, 0.9)
+                return SparseSample(sample.tokens, sample.seconds * ours_then / ours_now)
         return None
 
     def _build_status(self) -> MappingProxyType[str, Any]:

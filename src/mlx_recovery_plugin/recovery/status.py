@@ -137,6 +137,7 @@ class ProcessStatus:
             "jobs": sum(len(e.jobs) for e in self.engines),
             "debt": self.debt,
             "tokens_recovered": sum(e.counters.tokens_recovered for e in self.engines),
+            "tokens_run": sum(e.counters.tokens_run for e in self.engines),
             "slices": sum(e.counters.slices for e in self.engines),
             "faults": faults,
             "budget_share_used": self.budget.get("share_used", 0.0),

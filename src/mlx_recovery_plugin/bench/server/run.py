@@ -183,7 +183,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
             report.curve = run_curve(config, pair, progress)
             continue
         session = sessions_mod.build(name, config.shape, config.think_s)
-        result = SessionResult(name=name, description=session.description)
+        result = SessionResult(name=name, description=session.description, budget_pct=config.budget_pct)
         for arm in ("sparse_off", "sparse_on", "sparse_recovery"):
             result.arms[arm] = run_arm(config, pair, session, arm, config.workdir / "runs" / f"{name}-{arm}", progress)
         report.sessions.append(result)
