@@ -246,6 +246,19 @@ def test_held_blocks_past_the_byte_limit_stand_the_job_down_until_its_next_turn(
     assert rig.status()["jobs"][0]["stood_down"] is None
 
 
+def test_past_the_byte_limit_blocks_a_sparse_next_turn_would_not_use_are_published_not_lost(rigs) -> None:
+    """The next turn stays sparse over any partial prefix (threshold 200): the policy holds
+    them, but where holding would pass the cap, publishing brings the full prefix closer
+    and the next turn is sparse either way."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, max_held_mib=0.0)
+    prompt = random_tokens(15, PROMPT)
+    rig.served(prompt, threshold=200, prefill_s=6.6)
+    rig.engine.offer_idle_step()
+    (job,) = rig.status()["jobs"]
+    assert job["stood_down"] is None and job["held_tokens"] == 0
+    assert rig.restorable(prompt) == 64
+
+
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     prompt = random_tokens(16, PROMPT)

@@ -62,6 +62,9 @@ class Decision:
     reason: str
     dense_s: float | None = None
     sparse_s: float | None = None
+    #: A hold that may publish instead when holding would pass the memory cap: the next
+    #: turn stays sparse either way, and published blocks bring the full prefix closer.
+    may_spill: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -290,7 +293,7 @@ def decide(
         # tokens, and costs a host that caches its draft's reading by the uncached part
         # (oMLX) that reading: measured, 256 cached made the sparse turn 4.4x slower.
         return Decision(Verdict.HOLD, f"a {boundary}-token prefix leaves the next turn sparse ({uncached} "
-                        f"uncached > {threshold}); holding until {full_boundary}")
+                        f"uncached > {threshold}); holding until {full_boundary}", may_spill=True)
     dense = model.estimate(uncached, boundary)
     sparse = sparse_rerun_seconds(model, next_tokens, keep, measured)
     if dense is None or sparse is None:

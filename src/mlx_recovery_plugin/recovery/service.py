@@ -425,14 +425,16 @@ class EngineRecovery:
         with self._lock:
             pending = job.pending_with(blocks, self.block_size)
         decision = self.judge.judge(job, job.committed + len(pending) * self.block_size)
-        if decision.verdict is Verdict.PUBLISH:
+        with self._lock:
+            held_elsewhere = sum(j.held_bytes() for j in self.book if j is not job)
+            too_much = held_elsewhere + sum(b.nbytes for b in pending) > self._max_held_bytes
+        if decision.verdict is Verdict.PUBLISH or (decision.verdict is Verdict.HOLD and decision.may_spill and too_much):
             with self._lock:
                 job.release_held()
             return self._publish(job, pending)
         with self._lock:
             if decision.verdict is Verdict.HOLD:
-                held_elsewhere = sum(j.held_bytes() for j in self.book if j is not job)
-                if held_elsewhere + sum(b.nbytes for b in pending) > self._max_held_bytes:
+                if too_much:
                     self._stand_down_locked(
                         job, f"holding {len(pending)} finished blocks would pass {env_name('max_held_mib')}"
                     )
