@@ -29,12 +29,11 @@ from ...events import PrefixLookup
 from ...plugins import HookEmitter
 from . import layers as layer_ops
 from .cuts import is_cut, plan_cuts
+from .lifecycle import ENGINE_ID, Requests
 from .snapshots import SnapshotStore
 from .store import EntryRef, PromptCacheStore, adopted_cache
 
 log = logging.getLogger(__name__)
-
-ENGINE_ID = "mlx_lm"
 
 
 class Adoption:
@@ -46,6 +45,8 @@ class Adoption:
         self.block_size = block_size
         self.snapshots = SnapshotStore(budget_bytes)
         self.store = PromptCacheStore(self.snapshots, block_size)
+        self.requests = Requests(emitter, block_size, on_aborted=self._aborted)
+        self.requests.snapshots = self.snapshots
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         # The model last asked about (the server serves one at a time) and its answer;
@@ -166,7 +167,7 @@ class Adoption:
         ref = EntryRef(trie, found.model, list(found.longer), list(tokens), frozenset(usable))
         lookup = PrefixLookup(
             engine_id=ENGINE_ID,
-            request_id=f"mlx_lm-{next(self._ids)}",
+            request_id=self.requests.current or f"mlx_lm-lookup-{next(self._ids)}",
             entry_id=f"{len(found.longer)}-tokens",
             entry_tokens=len(found.longer),
             # Walk back to the last boundary with a snapshot; with none, the decision
@@ -197,6 +198,11 @@ class Adoption:
 
     def forget(self) -> None:
         self.snapshots.clear()
+
+    def _aborted(self, model: Hashable, tokens: Sequence[int]) -> None:
+        # An aborted prefill never reaches its insert: its snapshots would stay pending.
+        if self.active:
+            self.snapshots.drop_pending(model, tokens, self.block_size)
 
     # -- internals -------------------------------------------------------------------
 
