@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mlx_recovery_plugin.testing.contract import HostContractSuite, contract_tokens
+from mlx_recovery_plugin.testing.contract import ContractHost, EventRecorder, HostContractSuite, contract_tokens
 from mlx_recovery_plugin.testing.mlx_lm_host import MlxLmContractHost
 from mlx_recovery_plugin.testing.mlx_lm_models import SPECS
 from mlx_recovery_plugin.testing.tiny_model import cached_model_dir
@@ -30,13 +30,15 @@ class TestMlxLmHostContract(HostContractSuite):
         yield host
         host.close()
 
-    def test_a_partial_match_the_host_cannot_reuse_asks_one_lookup(self, contract_host, event_recorder) -> None:  # type: ignore[no-untyped-def]
+    def test_a_partial_match_the_host_cannot_reuse_asks_one_lookup(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
         if kind_of(contract_host) == "reference":
             pytest.skip("a trimmable model: mlx-lm trims a copy itself and asks nothing")
         super().test_a_partial_match_the_host_cannot_reuse_asks_one_lookup(contract_host, event_recorder)
 
 
-def kind_of(host: MlxLmContractHost) -> str:
+def kind_of(host: ContractHost) -> str:
     return str(getattr(host, "kind", ""))
 
 

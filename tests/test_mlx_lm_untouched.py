@@ -8,12 +8,12 @@ from mlx_recovery_plugin.bench.mlx_lm_untouched import measure_model
 
 
 def test_the_report_carries_the_untouched_ratio_with_its_spread_in_json_and_text() -> None:
-    row = measure_model("hybrid", block=32, pairs=1, prompt_tokens=100, warmup=0)
+    row = measure_model("hybrid", block=32, pairs=2, prompt_tokens=100, warmup=0)
     report = MlxLmBenchReport(block=32, doc_chars=0, untouched=[row])
     (out,) = report.to_dict()["untouched_ttft"]
-    assert out["model"] == "hybrid" and out["pairs"] == 1
-    assert len(out["with_s"]) == len(out["without_s"]) == len(out["ratios"]) == 1
-    assert out["min_ratio"] <= out["median_ratio"] <= out["max_ratio"]
+    assert out["model"] == "hybrid" and out["pairs"] == 2
+    assert len(out["with_s"]) == len(out["without_s"]) == len(out["ratios"]) == 2
+    assert out["min_ratio"] <= out["iqr_ratio"][0] <= out["median_ratio"] <= out["iqr_ratio"][1] <= out["max_ratio"]
     assert isinstance(out["within_goal"], bool)
     assert out["cuts"] > 0 and out["adopted"] == 0  # fresh prompts: cut, never adopted
     assert "untouched requests" in report.format_table()

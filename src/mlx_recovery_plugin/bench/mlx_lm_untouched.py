@@ -49,14 +49,23 @@ class UntouchedRow:
     def median_ratio(self) -> float:
         return statistics.median(self.ratios) if self.ratios else float("nan")
 
+    def quartiles(self) -> tuple[float, float] | None:
+        """The ratios' first and third quartiles (None below two pairs)."""
+        if len(self.ratios) < 2:
+            return None
+        q = statistics.quantiles(self.ratios, n=4, method="inclusive")
+        return q[0], q[2]
+
     def to_dict(self) -> dict[str, Any]:
         ratios = self.ratios
+        quartiles = self.quartiles()
         return {
             **asdict(self),
             "ratios": [round(r, 4) for r in ratios],
             "median_ratio": round(self.median_ratio, 4) if ratios else None,
             "min_ratio": round(min(ratios), 4) if ratios else None,
             "max_ratio": round(max(ratios), 4) if ratios else None,
+            "iqr_ratio": [round(q, 4) for q in quartiles] if quartiles else None,
             "median_with_s": statistics.median(self.with_s) if self.with_s else None,
             "median_without_s": statistics.median(self.without_s) if self.without_s else None,
             "within_goal": bool(ratios) and self.median_ratio <= GOAL_RATIO,
@@ -141,11 +150,14 @@ def measure(
 def format_rows(rows: Sequence[UntouchedRow]) -> str:
     lines = [f"untouched requests: time to first token, adapter attached / not (fresh {rows[0].prompt_tokens}-token "
              f"prompts, alternating pairs in one process; goal <= {GOAL_RATIO:.2f}x)" if rows else "untouched: -",
-             f"  {'model':<9} {'pairs':>5} {'median':>7} {'min':>6} {'max':>6} {'with s':>8} {'without s':>9} {'cuts':>5}"]
+             f"  {'model':<9} {'pairs':>5} {'median':>7} {'IQR':>13} {'min':>6} {'max':>6} {'with s':>8} "
+             f"{'without s':>9} {'cuts':>5}"]
     for row in rows:
         d = row.to_dict()
         if not row.ratios:
             continue
-        lines.append(f"  {row.model:<9} {len(row.ratios):>5} {d['median_ratio']:>6.3f}x {d['min_ratio']:>5.3f}x "
+        quartiles = row.quartiles()
+        iqr = f"{quartiles[0]:.3f}-{quartiles[1]:.3f}" if quartiles else "-"
+        lines.append(f"  {row.model:<9} {len(row.ratios):>5} {d['median_ratio']:>6.3f}x {iqr:>13} {d['min_ratio']:>5.3f}x "
                      f"{d['max_ratio']:>5.3f}x {d['median_with_s']:>8.4f} {d['median_without_s']:>9.4f} {row.cuts:>5}")
     return "\n".join(lines)

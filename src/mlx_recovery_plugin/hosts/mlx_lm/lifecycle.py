@@ -88,6 +88,7 @@ class Requests:
         self._current: str | None = None  # tokenized, not yet admitted (generation thread)
         self._admitted: str | None = None  # admitted, not yet in a batch (generation thread)
         self.engine: MlxLmEngine | None = None
+        self._unloading = ""
         #: The adoption's snapshot store (the port's fetch counts what they restore).
         self.snapshots: Any = None
         self.faults = 0
@@ -149,15 +150,19 @@ class Requests:
             self._guard("single", lambda: self._depart(rid, DepartureReason.FINISHED))
 
     def shutting_down(self) -> None:
-        self._guard("shutdown", lambda: self.emitter.engine_shutdown(ENGINE_ID))
+        def stop() -> None:
+            # Named now: the generation thread forgets the model as it ends.
+            self._unloading = self.engine.model_id if self.engine is not None else ""
+            self.emitter.engine_shutdown(ENGINE_ID)
+
+        self._guard("shutdown", stop)
 
     def shut_down(self) -> None:
         def end() -> None:
             self.flush()
             for rid in self.live_ids():
                 self._depart(rid, DepartureReason.ABORTED)
-            engine = self.engine
-            self.emitter.model_unloaded(ENGINE_ID, engine.model_id if engine is not None else "")
+            self.emitter.model_unloaded(ENGINE_ID, self._unloading)
 
         self._guard("shut down", end)
 
@@ -267,7 +272,10 @@ class _ModelHandle:
 
     @property
     def model_id(self) -> str:
-        return _model_id(self._provider.model_key)
+        key = self._provider.model_key
+        if key is None:  # not loaded yet (or dropped at the end): the model it serves by default
+            return str(getattr(self._provider.cli_args, "model", None) or "")
+        return _model_id(key)
 
     @property
     def model(self) -> Any:
