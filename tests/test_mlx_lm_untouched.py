@@ -16,4 +16,5 @@ def test_the_report_carries_the_untouched_ratio_with_its_spread_in_json_and_text
     assert out["min_ratio"] <= out["iqr_ratio"][0] <= out["median_ratio"] <= out["iqr_ratio"][1] <= out["max_ratio"]
     assert isinstance(out["within_goal"], bool)
     assert out["cuts"] > 0 and out["adopted"] == 0  # fresh prompts: cut, never adopted
+    assert 0 < out["capture_share"] < 1
     assert "untouched requests" in report.format_table()

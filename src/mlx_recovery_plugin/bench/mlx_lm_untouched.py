@@ -11,8 +11,9 @@ alternating from pair to pair so drift is shared by both arms. On the reference
 and the sliding-window model it adds its prefill cuts and snapshots (a fresh prompt may
 be shared later), and nothing else.
 
-Reported per model: each pair's ratio (with / without), their median, min and max, and
-the median first-token seconds of each arm. Timing: take it alone on the machine.
+Reported per model: each pair's ratio (with / without), their median, interquartile
+range, min and max, the median first-token seconds of each arm, and the share of the
+attached arm's time the adapter spent copying boundary state (its own clock). Timing: take it alone on the machine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class UntouchedRow:
     without_s: list[float] = field(default_factory=list)
     cuts: int = 0
     adopted: int = 0
+    #: Seconds the adapter spent copying boundary state, over the measured requests.
+    capture_s: float = 0.0
 
     @property
     def ratios(self) -> list[float]:
@@ -68,6 +71,7 @@ class UntouchedRow:
             "iqr_ratio": [round(q, 4) for q in quartiles] if quartiles else None,
             "median_with_s": statistics.median(self.with_s) if self.with_s else None,
             "median_without_s": statistics.median(self.without_s) if self.without_s else None,
+            "capture_share": (self.capture_s / sum(self.with_s)) if self.with_s else None,
             "within_goal": bool(ratios) and self.median_ratio <= GOAL_RATIO,
         }
 
@@ -130,6 +134,7 @@ def measure_model(
                         if i >= warmup:
                             row.cuts += int(status["cuts"])
                             row.adopted += int(status["adopted"])
+                            row.capture_s += int(status["snapshot_us"]) / 1e6
                     instrumentor.uninstrument()
                 seconds = first_token_seconds(generator, server, _text(rng, prompt_tokens))
                 if i >= warmup:
@@ -151,7 +156,7 @@ def format_rows(rows: Sequence[UntouchedRow]) -> str:
     lines = [f"untouched requests: time to first token, adapter attached / not (fresh {rows[0].prompt_tokens}-token "
              f"prompts, alternating pairs in one process; goal <= {GOAL_RATIO:.2f}x)" if rows else "untouched: -",
              f"  {'model':<9} {'pairs':>5} {'median':>7} {'IQR':>13} {'min':>6} {'max':>6} {'with s':>8} "
-             f"{'without s':>9} {'cuts':>5}"]
+             f"{'without s':>9} {'cuts':>5} {'capture':>8}"]
     for row in rows:
         d = row.to_dict()
         if not row.ratios:
@@ -159,5 +164,6 @@ def format_rows(rows: Sequence[UntouchedRow]) -> str:
         quartiles = row.quartiles()
         iqr = f"{quartiles[0]:.3f}-{quartiles[1]:.3f}" if quartiles else "-"
         lines.append(f"  {row.model:<9} {len(row.ratios):>5} {d['median_ratio']:>6.3f}x {iqr:>13} {d['min_ratio']:>5.3f}x "
-                     f"{d['max_ratio']:>5.3f}x {d['median_with_s']:>8.4f} {d['median_without_s']:>9.4f} {row.cuts:>5}")
+                     f"{d['max_ratio']:>5.3f}x {d['median_with_s']:>8.4f} {d['median_without_s']:>9.4f} {row.cuts:>5} "
+                     f"{d['capture_share']:>8.2%}")
     return "\n".join(lines)

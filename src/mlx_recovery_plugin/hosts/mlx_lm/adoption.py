@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -55,7 +56,7 @@ class Adoption:
         self._counts: dict[str, int] = {
             "prompts_cut": 0, "cuts": 0, "lookups_asked": 0, "adopted": 0,
             "adopted_tokens": 0, "host_tokens_over": 0, "faults": 0,
-            "host_cache_bytes": 0, "host_cache_entries": 0,
+            "host_cache_bytes": 0, "host_cache_entries": 0, "snapshot_us": 0,
         }
 
     # -- _tokenize -------------------------------------------------------------------
@@ -89,12 +90,14 @@ class Adoption:
         return is_cut(cache_type)
 
     def snapshot(self, model: Hashable, tokens: Sequence[int], cache: Sequence[Any]) -> None:
+        start = time.perf_counter()  # the capture is the adapter's own cost in the host's prefill
         try:
             saved = {i: layer_ops.copy_layer(cache[i]) for i in layer_ops.stateful_layers(cache)}
             if saved:
                 self.snapshots.put(model, tokens, saved, sum(layer_ops.layer_bytes(c) for c in saved.values()))
         except Exception as exc:  # noqa: BLE001 - a lost snapshot costs reuse only
             self._fault("snapshot", exc)
+        self._count(snapshot_us=int((time.perf_counter() - start) * 1e6))
 
     def entries(self, prompt_cache: Any) -> dict[int, tuple[Hashable, list[int]]] | None:
         """Before the host's insert: its entries by the identity of their token lists
