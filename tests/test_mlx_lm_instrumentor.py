@@ -22,7 +22,14 @@ pytestmark = pytest.mark.skipif(
 WRAPPED = [
     ("mlx_lm.models.cache", "LRUPromptCache", "insert_cache"),
     ("mlx_lm.models.cache", "LRUPromptCache", "fetch_nearest_cache"),
+    ("mlx_lm.server", "ResponseGenerator", "__init__"),
     ("mlx_lm.server", "ResponseGenerator", "_tokenize"),
+    ("mlx_lm.server", "ResponseGenerator", "_serve_single"),
+    ("mlx_lm.server", "ResponseGenerator", "_next_request"),
+    ("mlx_lm.server", "ResponseGenerator", "stop_and_join"),
+    ("mlx_lm.generate", "BatchGenerator", "insert_segments"),
+    ("mlx_lm.generate", "BatchGenerator", "next"),
+    ("mlx_lm.generate", "BatchGenerator", "remove"),
     ("mlx_lm.server", "APIHandler", "do_GET"),
 ]
 

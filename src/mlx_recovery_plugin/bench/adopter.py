@@ -349,6 +349,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--urllib", action="store_true", help="mlx_lm: plain urllib instead of the OpenAI SDK")
     p.add_argument("--out", default="", help="mlx_lm: also write the JSON report here")
+    p.add_argument("--untouched-pairs", type=int, default=7,
+                   help="mlx_lm: pairs timing first tokens of fresh prompts, adapter on / off (0: skip; default 7)")
+    p.add_argument("--untouched-tokens", type=int, default=1500,
+                   help="mlx_lm: tokens per fresh prompt in the untouched timing (default 1500)")
     p.set_defaults(func=_cmd_bench_adopter)
 
 

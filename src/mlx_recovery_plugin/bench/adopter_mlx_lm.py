@@ -15,7 +15,9 @@ cached_tokens`` reports them, summed over every request after the first; the *fl
 the sum of ``floor(shared prefix, block)`` where the shared prefix is the longest common
 prefix with any earlier prompt of the workload (what a block-floored adopter could
 restore); snapshot bytes held at the workload's end and stored during it (from the
-plugin's status route). Timing is not reported: on a shared CPU it is no figure.
+plugin's status route). Cached-token rows carry no timing; the host's own time to first
+token on requests the adopter does not adopt is measured apart, in one process with the
+adapter attached and not in alternating pairs (:mod:`.mlx_lm_untouched`): take it alone.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 from ..testing.mlx_lm_models import SPECS
 from ..testing.mlx_lm_server import Reply, ServerClient, plugin_environment, serving
 from ..testing.tiny_model import cached_model_dir
+from .mlx_lm_untouched import UntouchedRow, format_rows
+from .mlx_lm_untouched import measure as measure_untouched
 
 WORKLOADS = ("shared_document", "completions_prefix", "edited_message", "subagents", "regenerated")
 #: Workloads where the prompts diverge inside a segment: the adopter's ground.
@@ -218,6 +222,8 @@ class MlxLmBenchReport:
     rows: list[Row] = field(default_factory=list)
 
     kv_per_token: dict[str, int] = field(default_factory=dict)
+    #: Time to first token on fresh prompts, adapter attached / not (empty: not measured).
+    untouched: list[UntouchedRow] = field(default_factory=list)
 
     def row(self, model: str, workload: str, arm: str) -> Row | None:
         return next((r for r in self.rows if (r.model, r.workload, r.arm) == (model, workload, arm)), None)
@@ -244,6 +250,7 @@ class MlxLmBenchReport:
                       "snapshot_over_kv_saved": self.memory_ratio(r.model, r.workload) if r.arm == "with" else None}
                      for r in self.rows],
             "goals_met": self.goals_met,
+            "untouched_ttft": [r.to_dict() for r in self.untouched],
         }
 
     def format_table(self) -> str:
@@ -262,6 +269,8 @@ class MlxLmBenchReport:
                 )
         lines.append(f"goals met (with >= {GOAL_SHARE:.0%} of floor on partial workloads; reference: 0 cuts, 0 bytes): "
                      f"{'yes' if self.goals_met else 'no'}")
+        if self.untouched:
+            lines.append(format_rows(self.untouched))
         return "\n".join(lines)
 
 
@@ -272,8 +281,12 @@ def _ratio(value: float | None) -> str:
 def run_mlx_lm_bench(
     *, block: int = 64, doc_chars: int = 600, requests: int = 3, seed: int = 0, use_sdk: bool = True,
     models: Sequence[str] = ("hybrid", "sliding", "reference"), workloads: Sequence[str] = WORKLOADS,
+    untouched_pairs: int = 0, untouched_tokens: int = 1500,
 ) -> MlxLmBenchReport:
     report = MlxLmBenchReport(block, doc_chars)
+    if untouched_pairs > 0:  # first, before the servers below load the machine
+        report.untouched = measure_untouched(("reference", *[m for m in models if m != "reference"]), block=block,
+                                             pairs=untouched_pairs, prompt_tokens=untouched_tokens, seed=seed)
     for model in models:
         report.kv_per_token[model] = kv_bytes_per_token(model)
         arms = ("with",) if model == "reference" else ARMS
@@ -285,7 +298,9 @@ def run_mlx_lm_bench(
 
 def command(args: argparse.Namespace) -> int:
     report = run_mlx_lm_bench(block=args.block_size, doc_chars=args.system_tokens, requests=args.requests,
-                              seed=args.seed, use_sdk=not args.urllib)
+                              seed=args.seed, use_sdk=not args.urllib,
+                              untouched_pairs=getattr(args, "untouched_pairs", 0),
+                              untouched_tokens=getattr(args, "untouched_tokens", 1500))
     text = json.dumps(report.to_dict(), indent=1) if args.json else report.format_table()
     if args.out:
         Path(args.out).write_text(json.dumps(report.to_dict(), indent=1))

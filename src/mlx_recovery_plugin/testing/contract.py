@@ -6,7 +6,8 @@ How to use it, in the style of pandas' extension tests or zarr's ``StoreTests``:
    under test, driven synchronously from the test's thread (and, if you can, threaded).
 2. Subclass :class:`HostContractSuite` (or only the parts you want: :class:`EventOrderTests`,
    :class:`ReferenceBalanceTests`, :class:`WholeBlockStoreTests`, :class:`PublicationTests`,
-   :class:`IdleTests`, :class:`ThreadedTests`) in a test module and give it a
+   :class:`IdleTests`, :class:`ThreadedTests`, :class:`LifecycleBalanceTests`,
+   :class:`PrefixLookupTests`) in a test module and give it a
    ``contract_host`` fixture that returns a fresh adapter and closes it afterwards::
 
        from mlx_recovery_plugin.testing.contract import HostContractSuite
@@ -18,7 +19,9 @@ How to use it, in the style of pandas' extension tests or zarr's ``StoreTests``:
                yield host
                host.close()
 
-Capability flags on the adapter skip what a host cannot do. The suite registers its own
+Capability flags on the adapter skip what a host cannot do, each with its reason
+(:data:`FLAG_REASONS`); flags added later default to what every host had before
+(:data:`FLAG_DEFAULTS`). The suite registers its own
 plugins (an :class:`EventRecorder`) on the adapter's plugin manager and unregisters them
 afterwards. Prompts use token ids below 256 (the tiny models' byte vocabulary).
 
@@ -37,10 +40,36 @@ from typing import Any
 import pytest
 
 from ..events import DepartureReason, IdleStep, Route
+from ..hookspecs import hookimpl
 from ..ports import HOLDER_PREFIX, StoreUnit, store_unit
 from ..state import BlockState
 from .contract_host_protocol import ContractHost, ContractResult, ThreadedContractHost
 from .recorder import EventRecorder, IdleAnswer, RecordedEvent, contract_tokens, registered, stored_tokens
+
+#: Flags added after the first adapters were written: a host that does not set one has
+#: what it names (the checks ran on every host before the flag existed), except
+#: ``supports_prefix_lookup``, which only an adopter's host has.
+FLAG_DEFAULTS: dict[str, bool] = {
+    "supports_reset": True,
+    "supports_publication": True,
+    "supports_idle_steps": True,
+    "supports_prefix_lookup": False,
+    "serves_sparse_one_at_a_time": False,
+}
+
+#: Why a check is skipped, by the flag it needs.
+FLAG_REASONS: dict[str, str] = {
+    "supports_sparse_route": "no sparse route: nothing is served sparsely, nothing to recover",
+    "supports_abort_all": "the host has no abort of every request",
+    "supports_fail_all": "the host has no fail-all path",
+    "supports_threads": "the adapter cannot run the host's engine loop on a thread of its own",
+    "supports_reset": "the host has no scheduler reset",
+    "supports_publication": "the host takes no published blocks (it has no sparse route to recover from)",
+    "supports_idle_steps": "the host offers no idle steps (nothing runs in the background there)",
+    "supports_prefix_lookup": "the host asks no prefix_lookup (no partial-prefix adopter on it)",
+    "serves_sparse_one_at_a_time": "the host batches sparse prefills, so none waits behind another",
+}
+
 
 # -- pytest plugin fixtures ------------------------------------------------------------
 
@@ -96,9 +125,16 @@ class _ContractBase:
         return store_unit(host.engine.prefix_cache) is StoreUnit.WHOLE_ENTRY
 
     @staticmethod
-    def require(host: ContractHost, flag: str) -> None:
-        if not getattr(host, flag, False):
-            pytest.skip(f"host does not have {flag}")
+    def has(host: ContractHost, flag: str) -> bool:
+        """A capability flag; one the adapter does not set takes its default
+        (:data:`FLAG_DEFAULTS`), so adapters written before a flag existed keep their checks."""
+        return bool(getattr(host, flag, FLAG_DEFAULTS.get(flag, False)))
+
+    @classmethod
+    def require(cls, host: ContractHost, flag: str) -> None:
+        if not cls.has(host, flag):
+            reason = FLAG_REASONS.get(flag)
+            pytest.skip(f"host does not have {flag}" + (f" ({reason})" if reason else ""))
 
 
 class EventOrderTests(_ContractBase):
@@ -238,6 +274,7 @@ class EventOrderTests(_ContractBase):
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
         host = contract_host
+        self.require(host, "supports_reset")
         prompt = self.prompt(host, 2.5, seed=9)
         self.serve(host, prompt)
         assert stored_tokens(host, prompt) > 0
@@ -303,7 +340,8 @@ class ReferenceBalanceTests(_ContractBase):
             host.fail_all("injected")
             host.run_until_idle()
         host.submit(prompt + [3], max_tokens=32)
-        host.reset(deep=False)
+        if self.has(host, "supports_reset"):
+            host.reset(deep=False)
         host.run_until_idle()
         self.assert_no_leaks(host)
 
@@ -362,6 +400,7 @@ class IdleTests(_ContractBase):
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
         host = contract_host
+        self.require(host, "supports_idle_steps")
         self.serve(host, self.prompt(host, 1.5, seed=20))
         steps = host.step_count()
         assert host.drive_idle(max_steps=50) == 1
@@ -372,6 +411,7 @@ class IdleTests(_ContractBase):
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
         host = contract_host
+        self.require(host, "supports_idle_steps")
         event_recorder.idle_answer = lambda step: step.consecutive < 4 or None
         steps = host.step_count()
         assert host.drive_idle(max_steps=50) == 4
@@ -383,6 +423,7 @@ class IdleTests(_ContractBase):
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
         host = contract_host
+        self.require(host, "supports_idle_steps")
         event_recorder.idle_answer = lambda step: 0.5
         assert host.drive_idle(max_steps=50) == 1
 
@@ -390,6 +431,7 @@ class IdleTests(_ContractBase):
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
         host = contract_host
+        self.require(host, "supports_idle_steps")
         event_recorder.idle_answer = lambda step: step.consecutive < 2 or None
         host.drive_idle(max_steps=50)
         self.serve(host, self.prompt(host, 1.25, seed=21))
@@ -400,6 +442,7 @@ class IdleTests(_ContractBase):
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
         host = contract_host
+        self.require(host, "supports_idle_steps")
         arrived: list[str] = []
 
         def arrive_then_ask_for_more(step: IdleStep) -> IdleAnswer:
@@ -414,6 +457,15 @@ class IdleTests(_ContractBase):
         assert len(host.result(arrived[0]).output_tokens) > 0
 
 
+    def test_an_idle_host_takes_no_step(self, contract_host: ContractHost) -> None:
+        """Whether or not it offers idle steps: once served, nothing steps by itself."""
+        host = contract_host
+        self.serve(host, self.prompt(host, 1.5, seed=40))
+        steps = host.step_count()
+        time.sleep(0.05)  # a host with a live engine thread of its own must stay still
+        assert host.step_count() == steps
+
+
 class ThreadedTests(_ContractBase):
     """The real engine loop on its own thread: serves arrivals, never steps while idle."""
 
@@ -422,6 +474,7 @@ class ThreadedTests(_ContractBase):
     ) -> None:
         host = contract_host
         self.require(host, "supports_threads")
+        self.require(host, "supports_idle_steps")
         assert isinstance(host, ThreadedContractHost)
         went_idle = threading.Event()
         served: list[str] = []
@@ -476,6 +529,7 @@ class PublicationTests(_ContractBase):
         from ..recovery.publication import publish
 
         host = contract_host
+        self.require(host, "supports_publication")
         size = host.block_size
         prompt = self.prompt(host, 3.5, seed=24)
         blocks = dense_blocks(host, prompt, 3)
@@ -498,6 +552,7 @@ class PublicationTests(_ContractBase):
         from ..recovery.publication import PublicationError, publish
 
         host = contract_host
+        self.require(host, "supports_publication")
         size = host.block_size
         prompt = self.prompt(host, 3.5, seed=26)
         blocks = dense_blocks(host, prompt, 3)
@@ -509,13 +564,112 @@ class PublicationTests(_ContractBase):
         self.assert_no_leaks(host)
 
 
+class _Raising:
+    """A plugin that raises in every lifecycle hook (what a broken third party does)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _raise(self) -> None:
+        self.calls += 1
+        raise RuntimeError("a broken plugin")
+
+    @hookimpl
+    def request_arrived(self, event: Any) -> None:
+        self._raise()
+
+    @hookimpl
+    def request_admitted(self, event: Any) -> None:
+        self._raise()
+
+    @hookimpl
+    def request_prefilled(self, event: Any) -> None:
+        self._raise()
+
+    @hookimpl
+    def request_departed(self, event: Any) -> None:
+        self._raise()
+
+    @hookimpl
+    def request_aborted(self, engine_id: str, request_id: str) -> None:
+        self._raise()
+
+    @hookimpl
+    def prefix_lookup(self, lookup: Any) -> None:
+        self._raise()
+
+
+class LifecycleBalanceTests(_ContractBase):
+    """Every arrival departs exactly once, and a plugin's error never reaches the host."""
+
+    def test_every_arrival_departs_once_served_or_aborted(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=41)
+        self.serve(host, prompt)
+        kept = host.submit(prompt + contract_tokens(9, seed=42), max_tokens=4)
+        dropped = host.submit(prompt + contract_tokens(9, seed=43), max_tokens=32)
+        host.abort(dropped)
+        host.run_until_idle()
+        arrived = [str(e.request_id) for e in event_recorder.named("request_arrived")]
+        departed = [str(e.request_id) for e in event_recorder.named("request_departed")]
+        assert kept in arrived and dropped in arrived
+        assert sorted(arrived) == sorted(departed)
+        self.assert_no_leaks(host)
+
+    def test_a_plugin_that_raises_in_every_hook_costs_the_host_nothing(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        prompt = self.prompt(host, 2.5, seed=44)
+        self.serve(host, prompt, max_tokens=4)
+        broken = _Raising()
+        with registered(host.plugin_manager, broken):
+            rid, again = self.serve(host, prompt[: 2 * host.block_size + 7] + contract_tokens(9, 45), max_tokens=4)
+        assert broken.calls > 0
+        assert len(again.output_tokens) > 0
+        assert event_recorder.hooks_for(rid)[-1] == "request_departed"
+        self.assert_no_leaks(host)
+
+
+class PrefixLookupTests(_ContractBase):
+    """A host with a partial-prefix adopter asks ``prefix_lookup`` where its own lookup
+    cannot reuse a stored entry's shared blocks, with the documented fields."""
+
+    def test_a_partial_match_the_host_cannot_reuse_asks_one_lookup(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        host = contract_host
+        self.require(host, "supports_prefix_lookup")
+        size = host.block_size
+        prompt = self.prompt(host, 3.5, seed=46)
+        self.serve(host, prompt)
+        before = len(event_recorder.lookups)
+        shared = 2 * size + size // 3
+        rid, result = self.serve(host, prompt[:shared] + contract_tokens(size, seed=47))
+        lookups = event_recorder.lookups[before:]
+        assert len(lookups) == 1
+        (lookup,) = lookups
+        assert lookup.engine_id == host.engine.engine_id
+        assert lookup.request_id == rid
+        assert lookup.block_size == size
+        assert lookup.entry_tokens > shared
+        assert 0 < lookup.matched_tokens <= shared
+        assert result.cached_tokens <= shared and len(result.output_tokens) > 0
+        self.assert_no_leaks(host)
+
+
 class HostContractSuite(
-    EventOrderTests, ReferenceBalanceTests, WholeBlockStoreTests, PublicationTests, IdleTests, ThreadedTests
+    EventOrderTests, ReferenceBalanceTests, WholeBlockStoreTests, PublicationTests, IdleTests, ThreadedTests,
+    LifecycleBalanceTests, PrefixLookupTests,
 ):
     """The whole host contract; subclass it and supply ``contract_host``."""
 
 
 __all__ = [
+    "FLAG_DEFAULTS",
+    "FLAG_REASONS",
     "ContractHost",
     "ContractResult",
     "EventOrderTests",
@@ -523,6 +677,8 @@ __all__ = [
     "HostContractSuite",
     "IdleAnswer",
     "IdleTests",
+    "LifecycleBalanceTests",
+    "PrefixLookupTests",
     "PublicationTests",
     "RecordedEvent",
     "ReferenceBalanceTests",

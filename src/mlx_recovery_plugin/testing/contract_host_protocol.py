@@ -42,9 +42,13 @@ class ContractHost(Protocol):
     ``sparse=True`` whose uncached part exceeds ``sparse_threshold`` takes the sparse
     route), ``supports_abort_all``, ``supports_fail_all``, ``supports_threads`` (then the
     adapter also has ``start()``, ``stop()`` and ``wait(id, timeout)``, see
-    :class:`ThreadedContractHost`). Optional: ``serves_sparse_one_at_a_time`` (the host
-    prefills one sparse request at a time, so a second one waits behind the first; a
-    host that batches them lacks it).
+    :class:`ThreadedContractHost`). Optional, read with a default where an adapter does
+    not set them (see ``contract.FLAG_DEFAULTS``): ``supports_reset`` (True),
+    ``supports_publication`` (True: the prefix cache port stores what recovery publishes),
+    ``supports_idle_steps`` (True: ``drive_idle`` offers ``engine_idle_step``),
+    ``supports_prefix_lookup`` (False: a partial match the host cannot reuse asks the
+    ``prefix_lookup`` hook), ``serves_sparse_one_at_a_time`` (False: the host prefills one
+    sparse request at a time, so a second one waits behind the first).
     """
 
     supports_sparse_route: bool

@@ -14,7 +14,9 @@ from typing import Any
 import pluggy
 
 from ..events import (
+    AdoptionDecision,
     IdleStep,
+    PrefixLookup,
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
@@ -54,6 +56,8 @@ class EventRecorder:
         #: ``request_prefilled`` events, kept apart: the order checks are about the
         #: lifecycle, and a host reports a prefill between admission and departure.
         self.prefills: list[RequestPrefilled] = []
+        #: ``prefix_lookup`` calls, kept apart too (the recorder never decides one).
+        self.lookups: list[PrefixLookup] = []
         self._lock = threading.Lock()
 
     def _add(self, hook: str, engine_id: str, request_id: str | None, payload: Any) -> None:
@@ -107,6 +111,12 @@ class EventRecorder:
     def request_prefilled(self, event: RequestPrefilled) -> None:
         with self._lock:
             self.prefills.append(event)
+
+    @hookimpl
+    def prefix_lookup(self, lookup: PrefixLookup) -> AdoptionDecision | None:
+        with self._lock:
+            self.lookups.append(lookup)
+        return None
 
     @hookimpl
     def sparse_route_served(self, event: SparseRouteServed) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -29,12 +30,11 @@ from ...events import PrefixLookup
 from ...plugins import HookEmitter
 from . import layers as layer_ops
 from .cuts import is_cut, plan_cuts
+from .lifecycle import ENGINE_ID, Requests
 from .snapshots import SnapshotStore
 from .store import EntryRef, PromptCacheStore, adopted_cache
 
 log = logging.getLogger(__name__)
-
-ENGINE_ID = "mlx_lm"
 
 
 class Adoption:
@@ -46,6 +46,8 @@ class Adoption:
         self.block_size = block_size
         self.snapshots = SnapshotStore(budget_bytes)
         self.store = PromptCacheStore(self.snapshots, block_size)
+        self.requests = Requests(emitter, block_size, on_aborted=self._aborted)
+        self.requests.snapshots = self.snapshots
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         # The model last asked about (the server serves one at a time) and its answer;
@@ -54,7 +56,7 @@ class Adoption:
         self._counts: dict[str, int] = {
             "prompts_cut": 0, "cuts": 0, "lookups_asked": 0, "adopted": 0,
             "adopted_tokens": 0, "host_tokens_over": 0, "faults": 0,
-            "host_cache_bytes": 0, "host_cache_entries": 0,
+            "host_cache_bytes": 0, "host_cache_entries": 0, "snapshot_us": 0,
         }
 
     # -- _tokenize -------------------------------------------------------------------
@@ -88,12 +90,14 @@ class Adoption:
         return is_cut(cache_type)
 
     def snapshot(self, model: Hashable, tokens: Sequence[int], cache: Sequence[Any]) -> None:
+        start = time.perf_counter()  # the capture is the adapter's own cost in the host's prefill
         try:
             saved = {i: layer_ops.copy_layer(cache[i]) for i in layer_ops.stateful_layers(cache)}
             if saved:
                 self.snapshots.put(model, tokens, saved, sum(layer_ops.layer_bytes(c) for c in saved.values()))
         except Exception as exc:  # noqa: BLE001 - a lost snapshot costs reuse only
             self._fault("snapshot", exc)
+        self._count(snapshot_us=int((time.perf_counter() - start) * 1e6))
 
     def entries(self, prompt_cache: Any) -> dict[int, tuple[Hashable, list[int]]] | None:
         """Before the host's insert: its entries by the identity of their token lists
@@ -166,7 +170,7 @@ class Adoption:
         ref = EntryRef(trie, found.model, list(found.longer), list(tokens), frozenset(usable))
         lookup = PrefixLookup(
             engine_id=ENGINE_ID,
-            request_id=f"mlx_lm-{next(self._ids)}",
+            request_id=self.requests.current or f"mlx_lm-lookup-{next(self._ids)}",
             entry_id=f"{len(found.longer)}-tokens",
             entry_tokens=len(found.longer),
             # Walk back to the last boundary with a snapshot; with none, the decision
@@ -197,6 +201,11 @@ class Adoption:
 
     def forget(self) -> None:
         self.snapshots.clear()
+
+    def _aborted(self, model: Hashable, tokens: Sequence[int]) -> None:
+        # An aborted prefill never reaches its insert: its snapshots would stay pending.
+        if self.active:
+            self.snapshots.drop_pending(model, tokens, self.block_size)
 
     # -- internals -------------------------------------------------------------------
 

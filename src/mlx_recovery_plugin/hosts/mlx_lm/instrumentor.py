@@ -16,6 +16,9 @@ mlx-lm                                  what the adapter does (thread)
 ``LRUPromptCache.fetch_nearest_cache``  ``prefix_lookup`` where the host cannot reuse a
                                         longer entry; the adopted cache (generation)
 ``APIHandler.do_GET``                   ``GET /v1/mlx-recovery/status`` (HTTP thread)
+``ResponseGenerator`` / ``BatchGenerator``  the request lifecycle as hook calls (see
+lifecycle methods                       :mod:`.lifecycle`: generation thread; attach
+                                        and shutdown on the server's own threads)
 ======================================  ==============================================
 
 ``python -m mlx_lm.server`` runs the server module as ``__main__``: the start-up hook then
@@ -215,7 +218,8 @@ class MlxLmInstrumentor(HostInstrumentor):
     def _wrap_server(self, module: ModuleType) -> None:
         from .wrappers import server_factories
 
-        classes = {"ResponseGenerator": module.ResponseGenerator, "APIHandler": module.APIHandler}
+        classes = {"ResponseGenerator": module.ResponseGenerator, "APIHandler": module.APIHandler,
+                   "BatchGenerator": module.BatchGenerator}
         self._patches.wrap(classes, server_factories(self.status), self._life)
         self._server_wrapped = True
 

@@ -152,6 +152,24 @@ class SnapshotStore:
             self._counters.dropped_orphan += dropped
         return dropped
 
+    def drop_pending(self, model: Hashable, tokens: Sequence[int], block: int) -> int:
+        """A request left before the host stored any entry of ``tokens``: drop the
+        snapshots on its block multiples that no entry extends yet; how many."""
+        dropped = 0
+        with self._lock:
+            for boundary in range(block, len(tokens), block):
+                key = (model, tuple(tokens[:boundary]))
+                snapshot = self._snapshots.get(key)
+                if snapshot is not None and not snapshot.attached:
+                    self._bytes -= self._snapshots.pop(key).nbytes
+                    dropped += 1
+            self._counters.dropped_orphan += dropped
+        return dropped
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(not s.attached for s in self._snapshots.values())
+
     def clear(self) -> None:
         with self._lock:
             self._snapshots.clear()
