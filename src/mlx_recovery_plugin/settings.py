@@ -103,7 +103,7 @@ class RecoverySettings(BaseSettings):
     )
     max_held_mib: float = Field(
         256.0, ge=0.0, le=1_048_576.0,
-        description="memory the publish policy may hold back in finished blocks, per engine (MiB)",
+        description="memory that finished blocks held back (by the publish policy, or from an interrupted slice) may take, per engine (MiB)",
     )
     interruptible: bool = Field(
         True, description="abandon a slice between layers when foreground work arrives"

@@ -253,6 +253,22 @@ def summarise(
     return rows
 
 
+def load_models(model: str | None = None) -> tuple[Any, Any, Any]:
+    """The target (the demo's two-layer bench model, or ``model``: a known model's name
+    or a model directory), its tokenizer, and the bench draft. Stop checks come between
+    layers and passes (at most 256 tokens each), so a stop waits for one layer of one
+    pass. Prompts are byte tokens, which every target's vocabulary and the draft's cover."""
+    if model is None:
+        path = cached_model_dir(BENCH_TARGET)
+    else:
+        from mlx_recovery_plugin.models.library import resolve_model
+
+        path = resolve_model(model)
+    target, tokenizer = load_tiny_model(path)
+    draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
+    return target, tokenizer, draft
+
+
 def run_interference_bench(
     slice_sizes: tuple[int, ...] = (4096, 1024, 512, 256),
     trials: int = 5,
@@ -265,12 +281,7 @@ def run_interference_bench(
     trial: TrialFn = run_trial,
 ) -> InterferenceReport:
     if models is None:
-        # The demo's pair. Stop checks come between layers and passes (at most 256
-        # tokens each), so an interruptible slice of the two-layer target stops after
-        # one layer of one pass.
-        model, tokenizer = load_tiny_model(cached_model_dir(BENCH_TARGET))
-        draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
-        models = (model, tokenizer, draft)
+        models = load_models()
     balance_line = measure_or_say_why(models[0], context)[1]
     progress(balance_line)
     rng = random.Random(seed)
@@ -308,8 +319,11 @@ def format_rows(report: InterferenceReport) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    maybe_reexec(args)
-    report = run_interference_bench(slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed)
+    maybe_reexec(args)  # a --model name not fetched was refused before (cli_checks)
+    report = run_interference_bench(
+        slice_sizes=tuple(args.slices), trials=args.trials, context=args.context, seed=args.seed,
+        models=load_models(args.model),
+    )
     print(format_rows(report))
     return 0
 
@@ -320,5 +334,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--context", type=int, default=8192, help="tokens of the recovered prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="target: a known model's name (smollm2) or a model "
+                   "directory (default: the two-layer bench model)")
     add_openblas_flag(p)
     p.set_defaults(func=_run)

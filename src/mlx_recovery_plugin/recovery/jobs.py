@@ -81,7 +81,8 @@ class RecoveryJob:
     ``committed`` is block-aligned and only ever set to a prefix the host's fetch path
     restored. ``target_end`` is the end of the served range; only its whole blocks can be
     published (:meth:`publish_end`). ``held`` are finished blocks right after
-    ``committed`` that the publish policy keeps back until a longer prefix pays.
+    ``committed`` that the publish policy keeps back until a longer prefix pays, or that
+    an interrupted slice finished before it stopped.
     ``stood_down`` is the reason recovery stopped working on the job because no prefix of
     it would pay. What the host said of the conversation's sparse route is the publish
     policy's memory, not the job's (:class:`~.judge.PublishJudge`).

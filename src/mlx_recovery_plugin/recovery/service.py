@@ -369,6 +369,7 @@ class EngineRecovery:
             with self._lock:
                 self.counters.slices_interrupted += 1
                 self.last_refusal = Refusal.SLICE_INTERRUPTED.value
+                self._hold_finished_locked(job, list(outcome.blocks))
             self._retire_live()
             return 0, start
         self.judge.observe(start, int(outcome.tokens_run), seconds)
@@ -444,6 +445,17 @@ class EngineRecovery:
             else:
                 self._stand_down_locked(job, decision.reason)
         return True
+
+    def _hold_finished_locked(self, job: RecoveryJob, blocks: list[BlockState]) -> None:
+        """Under ``_lock``: an interrupted slice's finished passes are held, so the job's next
+        slice goes on from them instead of redoing them (the next whole slice's verdict
+        covers them); dropped instead if holding them would pass the held-memory bound."""
+        if not blocks:
+            return
+        pending = job.pending_with(blocks, self.block_size)
+        held_elsewhere = sum(j.held_bytes() for j in self.book if j is not job)
+        if held_elsewhere + sum(b.nbytes for b in pending) <= self._max_held_bytes:
+            job.hold(pending)
 
     def _drop_held_blocks(self, reason: Refusal) -> None:
         """Recovery is off or memory is short: give back what the policy held."""

@@ -14,8 +14,10 @@ while the slice's positions are still in the window; the part of a block written
 earlier slice is carried between slices, so a window smaller than a block still works.
 
 Interruptible slices stop between layers (see :mod:`.layer_stop`): the forward is evaluated
-layer by layer and the stop signal consulted in between; an abandoned slice puts the
-live cache back exactly as it was, without copying it.
+layer by layer and the stop signal consulted in between. A slice runs in passes of at
+most ``stop_grain`` tokens; an interrupted slice keeps the passes it finished (their
+blocks come back as usual) and puts the live cache back exactly as it was before the pass
+it abandoned, without copying it.
 
 Threading: all methods run on the caller's thread, which must be the engine's own (the
 host never steps concurrently); a LiveState belongs to that thread.
@@ -76,9 +78,10 @@ class LiveState:
 class SliceOutcome:
     """What one :meth:`SliceRunner.advance` did.
 
-    ``blocks``: every whole block the slice completed (empty when interrupted);
-    ``tokens_run``: tokens added to the live cache (0 when interrupted);
-    ``interrupted``: the stop signal abandoned the slice and the live cache is as before;
+    ``blocks``: every whole block the slice completed (when interrupted: the blocks its
+    finished passes completed); ``tokens_run``: tokens added to the live cache (when
+    interrupted: those of its finished passes); ``interrupted``: the stop signal abandoned
+    a pass, and the live cache is as it was before that pass;
     ``seconds``: wall time of the call; ``interruptible``: whether this slice checked the
     stop signal between layers at all (False for a non-interruptible runner, without a
     ``should_stop``, or when no layer's cache could be hooked); ``stop_checks``: how many
@@ -184,10 +187,11 @@ class SliceRunner:
     ) -> SliceOutcome:
         """Densely prefill ``live.tokens[live.offset:end]`` and return the blocks it completed.
 
-        When interruptible and ``should_stop()`` turns True between layers, the slice's
-        partial work is discarded and the live cache is exactly as before the call.
-        Genuine errors (MLX errors, out of memory) restore the live cache the same way and
-        are raised.
+        When interruptible and ``should_stop()`` turns True between layers, the pass it
+        turned True in is abandoned: the live cache is exactly as it was after the last
+        finished pass, and the blocks and tokens of the finished passes are returned.
+        Genuine errors (MLX errors, out of memory) restore the live cache to where the call
+        began and are raised.
         """
         if live.discarded:
             raise ValueError("this LiveState was discarded")
@@ -209,13 +213,18 @@ class SliceRunner:
         hooked = layer_stop.install(live.cache, stop_gate) if stop_gate else 0
         blocks: list[BlockState] = []
         interrupted = False
+        # Where the pass now running began: a stop goes back there, keeping earlier passes.
+        pass_point, pass_carry, pass_start = restore_point, saved_carry, start
         try:
             with self._on_stream():
                 for a, b in pieces:
+                    if a != start:
+                        pass_point = layer_stop.RestorePoint.capture(live.cache)
+                        pass_carry, pass_start = dict(live.carry), a
                     blocks += self._run_piece(live, a, b)
         except layer_stop.SliceAbandoned:
-            self._rewind(live, restore_point, saved_carry, start)
-            blocks, interrupted = [], True
+            self._rewind(live, pass_point, pass_carry, pass_start)
+            interrupted = True
         except BaseException:
             self._rewind(live, restore_point, saved_carry, start)
             raise
@@ -225,7 +234,7 @@ class SliceRunner:
             mx.clear_cache()
         return SliceOutcome(
             blocks,
-            0 if interrupted else end - start,
+            live.offset - start,
             interrupted,
             self._clock() - started,
             hooked > 0,
