@@ -17,6 +17,7 @@ SUITES = (
     "lab.faults",
     "lab.machines_bench",
     "lab.startup",
+    "lab.order",
 )
 
 
