@@ -32,10 +32,15 @@ def test_a_verdict_is_wrong_only_where_the_truth_says_so_and_costs_what_the_turn
     # Right either way.
     assert not result(dense=1.5, sparse=1.0, verdict="stood_down", turn=1.0).wrong
     assert not result(dense=1.0, sparse=2.0, verdict="published", turn=1.0).wrong
-    # Close: either is fine, unless the turn came out slower than the sparse route.
+    # Close: either is fine, unless a publication made the turn slower than the sparse route.
     close = result(dense=1.0, sparse=1.1, verdict="held", turn=1.1)
-    assert close.truth == "close" and not close.wrong
-    assert result(dense=1.0, sparse=1.1, verdict="partial", turn=1.5).wrong
+    assert close.truth == "close" and not close.wrong and not close.slow_turn
+    partial = result(dense=1.0, sparse=1.1, verdict="partial", turn=1.5)
+    partial.recovery_cached = 512
+    assert partial.wrong
+    # Nothing published and still slower: not the verdict's doing, but a slow turn.
+    slow = result(dense=1.0, sparse=1.1, verdict="held", turn=1.5)
+    assert not slow.wrong and slow.slow_turn
 
 
 def test_the_report_counts_the_confusion_matrix_and_names_a_missed_goal() -> None:
@@ -45,9 +50,9 @@ def test_the_report_counts_the_confusion_matrix_and_names_a_missed_goal() -> Non
     ])
     assert report.confusion()["pays"] == {"published": 1, "not_published": 1}
     assert report.confusion()["loses"] == {"published": 1, "not_published": 0}
-    assert list(report.goals().values()) == [False, False]
+    assert list(report.goals().values()) == [False, False, False]
     text = format_report(report)
-    assert text.count("MISSED") == 2 and "wrong verdicts: 2" in text
+    assert text.count("MISSED") == 3 and "wrong verdicts: 2" in text
 
 
 def test_the_competing_load_runs_one_process_per_core_and_leaves_none_behind() -> None:
@@ -85,3 +90,5 @@ def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Pa
     saved = json.loads((tmp_path / "policy.json").read_text())
     assert [c["loaded"] for c in saved["cells"]] == [False, True] * 4
     assert set(saved["goals"]) == set(report.goals())
+    again = PolicyReport.read_json(tmp_path / "policy.json")
+    assert format_report(again) == format_report(report)

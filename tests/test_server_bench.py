@@ -149,6 +149,10 @@ def test_target_shapes_parse_and_bad_ones_are_refused() -> None:
     assert (spec.hidden_size, spec.num_layers, spec.intermediate_size, spec.num_heads) == (4096, 1, 14336, 64)
     with pytest.raises(ValueError, match="HIDDENxLAYERS"):
         parse_target("big")
+    narrow = parse_target("1024x2x2048x4x1")
+    assert (narrow.num_heads, narrow.num_kv_heads, narrow.intermediate_size) == (4, 1, 2048)
+    with pytest.raises(ValueError, match="heads must divide"):
+        parse_target("1000x2x2048x16x4")
 
 
 def _chunk(content: str | None = None, usage=None) -> SimpleNamespace:

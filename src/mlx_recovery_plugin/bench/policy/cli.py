@@ -33,13 +33,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
     p.add_argument("--model-dir", metavar="DIR", help="where the random-weight models are written (default: a temp dir)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
+    p.add_argument("--from-json", metavar="FILE", help="measure nothing: print the report of an earlier run's JSON")
     add_openblas_flag(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .report import PolicyReport, format_report
+
+    if args.from_json:
+        print(format_report(PolicyReport.read_json(args.from_json)))
+        return 0
     maybe_reexec(args)
-    from .report import format_report
     from .run import run_matrix
 
     loads = {"both": (False, True), "off": (False,), "on": (True,)}[args.load]

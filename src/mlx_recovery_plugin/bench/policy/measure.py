@@ -96,10 +96,19 @@ class CellResult:
 
     @property
     def wrong(self) -> bool:
-        if self.truth == "pays":
-            return not self.published
-        if self.truth == "loses":
-            return self.published or self.turn_ratio > SLOWER_MARGIN
+        """Not publishing where the whole prefix pays; publishing (any of it) where it loses
+        or where the turn it served came out slower than the sparse rerun."""
+        published_any = self.recovery_cached > 0
+        if self.truth == "pays" and not self.published:
+            return True
+        if self.truth == "loses" and published_any:
+            return True
+        return published_any and self.turn_ratio > SLOWER_MARGIN
+
+    @property
+    def slow_turn(self) -> bool:
+        """The next turn with recovery attached took over SLOWER_MARGIN of the sparse
+        rerun, whatever the verdict (with nothing published, the host's own sparse turn)."""
         return self.turn_ratio > SLOWER_MARGIN
 
     @property
@@ -125,6 +134,7 @@ class CellResult:
             "dense_append_s": self.dense_append_s, "sparse_rerun_s": self.sparse_rerun_s,
             "dense_cached": self.dense_cached, "pays": self.pays, "pays_range": list(self.spread),
             "truth": self.truth, "verdict": self.verdict, "wrong": self.wrong, "cost_s": self.cost_s,
+            "slow_turn": self.slow_turn,
             "recovery_turn_s": self.recovery_turn_s, "recovery_cached": self.recovery_cached,
             "turn_ratio": self.turn_ratio, "tokens_run": self.tokens_run,
             "tokens_recovered": self.tokens_recovered, "committed_share": self.committed_share,

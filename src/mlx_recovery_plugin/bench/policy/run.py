@@ -24,7 +24,7 @@ def run_matrix(
     draft, _ = load_tiny_model(draft_path)
     shapes = list(dict.fromkeys(cell.shape for cell in matrix.cells))
     for shape in shapes:
-        path = model_dir / f"{spec_id(shape)}-ffn{shape.intermediate_size}-h{shape.num_heads}kv{shape.num_kv_heads}"
+        path = model_dir / spec_id(shape)
         if not (path / "model.safetensors").exists():
             progress(f"writing {shape.label} to {path}")
             write_tiny_model(path, shape)

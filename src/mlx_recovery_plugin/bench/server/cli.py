@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--curve", type=float, nargs="+", default=None, help=f"think times of the curve (default {' '.join(f'{x:g}' for x in DEFAULT_CURVE)})")
     p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 5; --quick 3)")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
-    p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN]", help="target shape (default: the bench target, "
+    p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN[xHEADSxKV]]", help="target shape (default: the bench target, "
                    f"{DEFAULT_TARGET.hidden_size}x{DEFAULT_TARGET.num_layers}x{DEFAULT_TARGET.intermediate_size})")
     p.add_argument("--model-dir", metavar="DIR", help="serve an existing models directory instead (needs --target-id, --draft-id)")
     p.add_argument("--target-id", help="target model id (directory name) in --model-dir")

@@ -47,25 +47,31 @@ class ModelPair:
 
 
 def spec_id(spec: TinyModelSpec) -> str:
-    return f"{spec.arch}-{spec.hidden_size}x{spec.num_layers}-s{spec.seed}"
+    """A directory name that differs for every shape (written models are reused by name)."""
+    return (f"{spec.arch}-{spec.hidden_size}x{spec.num_layers}-ffn{spec.intermediate_size}"
+            f"-h{spec.num_heads}kv{spec.num_kv_heads}-s{spec.seed}")
 
 
 def parse_target(text: str, base: TinyModelSpec = DEFAULT_TARGET) -> TinyModelSpec:
-    """``HIDDENxLAYERS`` or ``HIDDENxLAYERSxFFN`` (e.g. ``512x8``, ``4096x1x14336``);
-    heads are ``hidden/64`` (query) and half that (key/value), at least 1."""
+    """``HIDDENxLAYERS``, ``HIDDENxLAYERSxFFN`` or ``HIDDENxLAYERSxFFNxHEADSxKV`` (e.g.
+    ``512x8``, ``4096x1x14336``, ``1024x2x2048x4x1``); without them, heads are
+    ``hidden/64`` (query) and half that (key/value), at least 1."""
     parts = text.lower().split("x")
     try:
         numbers = [int(p) for p in parts]
     except ValueError:
         numbers = []
-    if len(numbers) not in (2, 3) or min(numbers) <= 0:
-        raise ValueError(f"target shape must be HIDDENxLAYERS[xFFN], e.g. 512x8; got {text!r}")
+    if len(numbers) not in (2, 3, 5) or min(numbers) <= 0:
+        raise ValueError(f"target shape must be HIDDENxLAYERS[xFFN[xHEADSxKV]], e.g. 512x8; got {text!r}")
     hidden, layers = numbers[0], numbers[1]
-    heads = max(1, hidden // 64)
-    ffn = numbers[2] if len(numbers) == 3 else max(2 * hidden, int(hidden * 2.75) // 64 * 64)
+    heads = numbers[3] if len(numbers) == 5 else max(1, hidden // 64)
+    kv = numbers[4] if len(numbers) == 5 else max(1, heads // 2)
+    if hidden % heads or heads % kv:
+        raise ValueError(f"target shape {text!r}: heads must divide hidden and key/value heads divide heads")
+    ffn = numbers[2] if len(numbers) >= 3 else max(2 * hidden, int(hidden * 2.75) // 64 * 64)
     return TinyModelSpec(
         arch=base.arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=max(1, heads // 2), intermediate_size=ffn, seed=base.seed, dtype=base.dtype,
+        num_kv_heads=kv, intermediate_size=ffn, seed=base.seed, dtype=base.dtype,
     )
 
 
