@@ -38,12 +38,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--think-time", type=float, default=None, help="idle seconds between turns (default 30; --quick 10)")
     p.add_argument("--curve", type=float, nargs="+", default=None, help=f"think times of the curve (default {' '.join(f'{x:g}' for x in DEFAULT_CURVE)})")
     p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 5; --quick 3)")
+    p.add_argument("--context-tokens", type=int, default=None,
+                   help="tokens of each conversation's long first user message, in the target's tokens (default 8500)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens each turn generates (default 2); the answers are compared with sparse off's")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
     p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN[xHEADSxKV]]", help="target shape (default: the bench target, "
                    f"{DEFAULT_TARGET.hidden_size}x{DEFAULT_TARGET.num_layers}x{DEFAULT_TARGET.intermediate_size})")
     p.add_argument("--model-dir", metavar="DIR", help="serve an existing models directory instead (needs --target-id, --draft-id)")
     p.add_argument("--target-id", help="target model id (directory name) in --model-dir")
-    p.add_argument("--draft-id", help="draft model id (directory name) in --model-dir")
+    p.add_argument("--draft-id", help="draft model id (directory name) in --model-dir (not needed with "
+                   "--host rapid: PFlash needs no draft)")
     p.add_argument("--port", type=int, default=None, help="loopback port (default: a free one per server)")
     p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
     p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
@@ -75,9 +80,10 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
     if args.target:
         config.target = parse_target(args.target)
     if args.model_dir:
-        if not (args.target_id and args.draft_id):
-            raise ValueError("--model-dir needs --target-id and --draft-id")
-        config.pair = ModelPair(Path(args.model_dir), args.target_id, args.draft_id)
+        if not args.target_id or (config.host.needs_draft and not args.draft_id):
+            raise ValueError("--model-dir needs --target-id and --draft-id"
+                             + ("" if config.host.needs_draft else " (--draft-id is optional with this host)"))
+        config.pair = ModelPair(Path(args.model_dir), args.target_id, args.draft_id or "")
     if args.sessions:
         config.sessions = tuple(args.sessions)
     if args.think_time is not None:
@@ -86,6 +92,12 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         config.curve = tuple(args.curve)
     if args.turns is not None:
         config.shape = dataclasses.replace(config.shape, turns=args.turns)
+    if getattr(args, "context_tokens", None) is not None:
+        if args.context_tokens <= 0:
+            raise ValueError(f"--context-tokens must be positive; got {args.context_tokens}")
+        config.shape = dataclasses.replace(config.shape, context_chars=args.context_tokens)
+    if getattr(args, "max_tokens", None) is not None:
+        config.max_tokens = args.max_tokens
     return config
 
 

@@ -23,6 +23,7 @@ class TurnMeasure:
     ttft_s: float  # request sent -> first streamed content (or the end, if none came)
     total_s: float
     completion_tokens: int
+    text: str = ""  # the streamed answer's content
 
 
 def make_client(base_url: str, timeout_s: float = 900.0, api_key: str = "unused") -> Any:
@@ -40,11 +41,13 @@ def send_turn(
     started = time.perf_counter()
     first: float | None = None
     usage = None
+    parts: list[str] = []
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True},
     )
     for chunk in stream:
+        parts.extend(choice.delta.content or "" for choice in chunk.choices)
         if first is None and any(
             (choice.delta.content or getattr(choice.delta, "reasoning_content", None)) for choice in chunk.choices
         ):
@@ -68,4 +71,5 @@ def send_turn(
         ttft_s=(first if first is not None else ended) - started,
         total_s=ended - started,
         completion_tokens=int(usage.completion_tokens or 0),
+        text="".join(parts),
     )

@@ -47,6 +47,17 @@ class ServerHost:
         "--pflash-min-keep-tokens", "512", "--pflash-tail-tokens", "512", "--pflash-sink-tokens", "64",
     )
     member: Member | None = None
+    #: A line the server logs for each request its sparse route serves (a regular
+    #: expression): how the bench tells a sparse turn from a dense one; "" = cannot tell.
+    sparse_log_pattern: str = r"SpecPrefill: sparse prefill"
+    #: Whether the sparse route needs a draft model (PFlash scores tokens by statistics).
+    needs_draft: bool = True
+
+    def sparse_hint(self) -> str:
+        """When this host's sparse route applies, in words (for a run where it never did)."""
+        if self.name == "rapid":
+            return f"PFlash applies above {self.pflash_threshold:,} uncached tokens (--pflash-threshold)"
+        return "SpecPrefill applies above 8,192 uncached tokens of the non-system part over HTTP"
 
 
 def family_host(member: Member) -> ServerHost:
@@ -61,7 +72,7 @@ OMLX = family_host(FLYTO_MLX)
 FUSION = family_host(FUSION_MLX)
 RAPID = ServerHost(
     "rapid", "rapid-mlx", "rapid-mlx", "rapid-mlx", admin_route=False, env={"RAPID_MLX_TELEMETRY": "0"},
-    omits_zero_cached=True,
+    omits_zero_cached=True, sparse_log_pattern=r"\[pflash\] request=\S+ compressed ", needs_draft=False,
 )
 HOSTS = {host.name: host for host in (OMLX, FUSION, RAPID)}
 

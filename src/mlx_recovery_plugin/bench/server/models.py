@@ -95,9 +95,11 @@ def has_chat_template(model_path: Path) -> bool:
         return False
 
 
-def check_models(pair: ModelPair) -> None:
-    """Raise :class:`ModelDirError` naming what is missing, before any server starts."""
-    for role, path in (("target", pair.target_path), ("draft", pair.draft_path)):
+def check_models(pair: ModelPair, needs_draft: bool = True) -> None:
+    """Raise :class:`ModelDirError` naming what is missing, before any server starts
+    (the draft only where the host's sparse route needs one)."""
+    roles = [("target", pair.target_path)] + ([("draft", pair.draft_path)] if needs_draft else [])
+    for role, path in roles:
         if not (path / "config.json").is_file():
             raise ModelDirError(f"{role} model {path} has no config.json (not a model directory)")
     if not has_chat_template(pair.target_path):

@@ -8,6 +8,10 @@ time only once the dense rate (sparse off's first turn) times the budget times t
 time since the conversation's first turn covers the conversation's previous prompt, and
 at sparse on's time before that (per conversation, as if it had the idle time alone). A
 figure that is missing is an error.
+
+Whether a turn was served sparse is read from the server's log (the line its sparse
+route writes per request); where no turn of the sparse-on arm was, the report says so
+instead of printing ratios, which then compare dense with dense.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class StepRecord:
     total_s: float
     idle_after_s: float
     status: dict[str, Any] | None = None  # recovery arm: the plugin's figures after the gap
+    sparse: bool | None = None  # served by the sparse route (from the server's log); None: unknown
+    answer: str | None = None  # the streamed answer (max_tokens of it)
 
 
 @dataclass(slots=True)
@@ -127,6 +133,42 @@ class SessionResult:
         out[BEST] = sum(best_reachable_steps(*(self.arms[a] for a in ARMS), self.budget_pct))
         return out
 
+    token_sizes: dict[str, Any] | None = None  # sessions.TokenSizes as measured with the target's tokenizer
+    sparse_hint: str = ""  # when the host's sparse route applies, for the note where it never did
+
+    def sparse_steps(self, arm: str) -> int | None:
+        """Steps of ``arm`` its server served sparse; None where the log could not tell."""
+        steps = self.arms[arm].steps
+        if any(s.sparse is None for s in steps):
+            return None
+        return sum(bool(s.sparse) for s in steps)
+
+    def sparse_route_applied(self) -> bool | None:
+        """Whether any turn of the sparse-on arm took the sparse route (None: unknown)."""
+        served = self.sparse_steps("sparse_on")
+        return None if served is None else served > 0
+
+    def sparse_note(self) -> str:
+        """One line where the sparse route never applied (else empty)."""
+        if self.sparse_route_applied() is not False:
+            return ""
+        longest = max((s.prompt_tokens for s in self.arms["sparse_on"].steps), default=0)
+        hint = f" ({self.sparse_hint})" if self.sparse_hint else ""
+        return (
+            "THE SPARSE ROUTE NEVER APPLIED: no turn of the sparse-on arm was served sparse"
+            f"{hint}; the longest prompt was {longest:,} tokens. Every arm took the dense route, "
+            "recovery had nothing to recover, and the sums compare dense with dense: no ratio is "
+            "printed"
+        )
+
+    def answers_equal_off(self, arm: str) -> tuple[int, int] | None:
+        """Later turns of ``arm`` whose answer equals sparse off's, of the later turns."""
+        pairs = [(a.answer, b.answer) for a, b in zip(self.arms["sparse_off"].steps, self.arms[arm].steps)
+                 if b.turn > 1 or b.label]
+        if not pairs or any(x is None or y is None for x, y in pairs):
+            return None
+        return sum(x == y for x, y in pairs), len(pairs)
+
     def worst_later_turn(self) -> float | None:
         """The largest ratio of a later turn's time with recovery to sparse on's."""
         on, rec = self.arms["sparse_on"], self.arms["sparse_recovery"]
@@ -167,6 +209,8 @@ class BenchReport:
     sessions: list[SessionResult] = field(default_factory=list)
     curve: list[CurvePoint] = field(default_factory=list)
     balance: dict[str, Any] | None = None
+    token_fit: dict[str, Any] | None = None  # chars per token of the target's tokenizer (sessions.TokenFit)
+    notes: list[str] = field(default_factory=list)  # lines about the sizes (context, threshold)
 
     def longest_prompt(self) -> int:
         runs = [a for s in self.sessions for a in s.arms.values()]
@@ -182,6 +226,7 @@ class BenchReport:
         out = asdict(self)
         out["summary"] = {
             s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(), "committed_share": s.committed_share()}
+            | _route_summary(s)
             for s in self.sessions
         }
         out["curve_benefit_vs_on_s"] = {f"{p.think_s:g}": p.benefit_vs_on() for p in self.curve}
@@ -191,6 +236,32 @@ class BenchReport:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
 
+def _route_summary(result: SessionResult) -> dict[str, Any]:
+    equal = {arm: result.answers_equal_off(arm) for arm in ("sparse_on", "sparse_recovery")}
+    return {
+        "sparse_route_applied": result.sparse_route_applied(),
+        "sparse_steps": {arm: result.sparse_steps(arm) for arm in ARMS},
+        "later_answers_equal_off": {arm: list(v) if v else None for arm, v in equal.items()},
+    }
+
+
+def route_lines(result: SessionResult) -> list[str]:
+    """Which turns were served sparse, and whose later answers equal sparse off's."""
+    lines = []
+    served = {arm: result.sparse_steps(arm) for arm in ARMS}
+    if all(v is not None for v in served.values()):
+        n = len(result.arms["sparse_off"].steps)
+        lines.append("served sparse (server log): " + ", ".join(
+            f"{ARM_TITLES.get(arm, arm)} {served[arm]}/{n}" for arm in ARMS))
+    else:
+        lines.append("served sparse: unknown (this server's log does not say)")
+    equal = {arm: result.answers_equal_off(arm) for arm in ("sparse_on", "sparse_recovery")}
+    if all(equal.values()):
+        lines.append("later turns whose answer equals sparse off's: " + ", ".join(
+            f"{ARM_TITLES.get(arm, arm)} {v[0]}/{v[1]}" for arm, v in equal.items() if v))
+    return lines
+
+
 def _signed(x: float) -> str:
     return f"{x:+.2f}"
 
@@ -198,8 +269,11 @@ def _signed(x: float) -> str:
 def format_session(result: SessionResult) -> list[str]:
     off, on, rec = (result.arms[a] for a in ARMS)
     oracle = oracle_steps(off, on)
+    note = result.sparse_note()
     lines = [
         f"## session {result.name}: {result.description}",
+        *([f"sizes in the target's tokens: {result.token_sizes['describe']}"] if result.token_sizes else []),
+        *([note] if note else []),
         f"{'step':>4} {'conv':>4} {'turn':>4} {'tokens':>7} | {'cached: off':>11} {'on':>6} {'on+rec':>7} "
         f"| {'TTFT s: off':>11} {'on':>6} {'on+rec':>7} {'oracle':>7} | {'rec-on':>7} {'rec-off':>7} | recovered",
     ]
@@ -217,21 +291,25 @@ def format_session(result: SessionResult) -> list[str]:
     lines.append(
         "sum of TTFT: " + ", ".join(f"{ARM_TITLES.get(k, k)} {v:.2f} s" for k, v in sums.items())
     )
+    lines.extend(route_lines(result))
     r = sums["sparse_recovery"]
-    lines.append(
-        f"recovery minus: sparse on {_signed(r - sums['sparse_on'])} s ({r / sums['sparse_on']:.2f}x), "
-        f"sparse off {_signed(r - sums['sparse_off'])} s ({r / sums['sparse_off']:.2f}x), "
-        f"oracle {_signed(r - sums[ORACLE])} s ({r / sums[ORACLE]:.2f}x), "
-        f"best reachable {_signed(r - sums[BEST])} s ({r / sums[BEST]:.2f}x)"
-    )
-    worst, kept = result.worst_later_turn(), result.committed_share()
-    parts = [f"worst later turn against sparse on {worst:.2f}x" if worst is not None else "no later turn"]
-    if kept is not None:
-        parts.append(f"committed / run {kept:.2f}")
-    lines.append("; ".join(parts))
-    slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
-    if slow:
-        lines.append(f"steps where recovery took over 1.1x sparse on: {', '.join(map(str, slow))}")
+    if note:
+        lines.append("no ratios: the sparse route never applied (see above)")
+    else:
+        lines.append(
+            f"recovery minus: sparse on {_signed(r - sums['sparse_on'])} s ({r / sums['sparse_on']:.2f}x), "
+            f"sparse off {_signed(r - sums['sparse_off'])} s ({r / sums['sparse_off']:.2f}x), "
+            f"oracle {_signed(r - sums[ORACLE])} s ({r / sums[ORACLE]:.2f}x), "
+            f"best reachable {_signed(r - sums[BEST])} s ({r / sums[BEST]:.2f}x)"
+        )
+        worst, kept = result.worst_later_turn(), result.committed_share()
+        parts = [f"worst later turn against sparse on {worst:.2f}x" if worst is not None else "no later turn"]
+        if kept is not None:
+            parts.append(f"committed / run {kept:.2f}")
+        lines.append("; ".join(parts))
+        slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
+        if slow:
+            lines.append(f"steps where recovery took over 1.1x sparse on: {', '.join(map(str, slow))}")
     if rec.steps and rec.steps[-1].status:
         lines.append("plugin status at the end: " + ", ".join(f"{k} {v}" for k, v in rec.steps[-1].status.items()))
     return lines
@@ -270,6 +348,9 @@ def format_report(report: BenchReport) -> str:
     if report.balance is None:
         raise ValueError("the report has no cost balance (a missing measurement)")
     lines.append(report.balance["describe"])
+    if report.token_fit:
+        lines.append(report.token_fit["describe"])
+    lines.extend(report.notes)
     for result in report.sessions:
         lines.append("")
         lines.extend(format_session(result))

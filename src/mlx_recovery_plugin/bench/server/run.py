@@ -7,6 +7,10 @@ nothing while idle, so they wait only ``idle_wait_s`` between turns (the server'
 cache store finishes within it); the recovery arm waits the real think time. Every server
 answers one short warm-up request first, so no turn pays for loading the models.
 
+Sessions are sized in the target's own tokens (its tokenizer, loaded from the target's
+directory, with its chat template), and each turn is marked sparse or dense by the line
+the host's sparse route logs for it.
+
 Threads: everything runs on the caller's thread; each server is its own process group.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -27,7 +32,15 @@ from ...testing.tiny_model import TinyModelSpec
 from . import sessions as sessions_mod
 from .client import make_client, send_turn
 from .hosts import OMLX, ServerHost, arm_env
-from .models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelPair, check_models, write_model_settings, write_models
+from .models import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    ModelDirError,
+    ModelPair,
+    check_models,
+    write_model_settings,
+    write_models,
+)
 from .process import PluginNotAttachedError, ServerProcess, ServerSpec
 from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, status_figures
 
@@ -132,13 +145,16 @@ def run_arm(
         send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1,
                   absent_cached_is_zero=zero)
         for index, step in enumerate(session.steps):
+            seen = sparse_lines(config.host, server.log_text())
             measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
                                 absent_cached_is_zero=zero)
+            sparse = None if seen is None else (sparse_lines(config.host, server.log_text()) or 0) > seen
             last = index == len(session.steps) - 1
             wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
             progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
                      f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
                      f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
+                     + ("" if sparse is None else f" ({'sparse' if sparse else 'dense'})")
                      + ("" if last else f"; idle {wait:g} s"))
             if not last:
                 time.sleep(wait)
@@ -151,10 +167,76 @@ def run_arm(
                 step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
                 prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
                 ttft_s=measure.ttft_s, total_s=measure.total_s, idle_after_s=0.0 if last else wait,
-                status=figures,
+                status=figures, sparse=sparse, answer=measure.text,
             ))
         run.traceback_in_log = "Traceback (most recent call last)" in server.log_text()
     return run
+
+
+def sparse_lines(host: ServerHost, log: str) -> int | None:
+    """How many requests the host's sparse route has served, by its log lines (None: this
+    host's log cannot tell)."""
+    if not host.sparse_log_pattern:
+        return None
+    return len(re.findall(host.sparse_log_pattern, log))
+
+
+def load_target_tokenizer(pair: ModelPair) -> Any:
+    """The target's tokenizer as the servers load it (mlx-lm's wrapper, chat template
+    included)."""
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(pair.target_path)
+    except Exception as exc:  # a directory the servers cannot read either
+        raise ModelDirError(f"cannot load the target's tokenizer from {pair.target_path}: {exc}") from exc
+
+
+def prompt_counter(tokenizer: Any) -> sessions_mod.CountPrompt:
+    """Messages -> the prompt's tokens, the chat template applied as a server applies it."""
+
+    def count(messages: list[dict[str, str]]) -> int:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding
+            ids = ids["input_ids"]
+        return len(ids)
+
+    return count
+
+
+def fit_to_target(config: BenchConfig, tokenizer: Any, progress: Progress) -> tuple[BenchConfig, dict[str, Any]]:
+    """``config`` with its shape in the target's tokens, and the fit's figures."""
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    shape, fit = sessions_mod.fit_shape(config.shape, encode)
+    if fit.byte_level:
+        line = "session sizes: the target's tokenizer is byte-level (a character is a token)"
+    else:
+        line = (f"session sizes: fitted to the target's tokenizer ({fit.prose_chars_per_token:.2f} characters "
+                f"per token of prose, {fit.tool_chars_per_token:.2f} of tool output)")
+    progress(line)
+    return dataclasses.replace(config, shape=shape), dataclasses.asdict(fit) | {"describe": line}
+
+
+def size_notes(config: BenchConfig, pair: ModelPair, sizes: sessions_mod.TokenSizes) -> list[str]:
+    """Lines where the sizes miss what the bench needs: a prompt beyond the target's
+    context, or (rapid-mlx) a first turn below the PFlash threshold or an append above it."""
+    notes = []
+    try:
+        limit = json.loads((pair.target_path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        limit = None
+    if isinstance(limit, int) and sizes.longest > limit:
+        notes.append(f"note: the longest prompt ({sizes.longest:,} tokens) is beyond the target's context "
+                     f"({limit:,}); use --context-tokens or --turns to fit it")
+    if config.host.name == "rapid":
+        threshold = config.host.pflash_threshold
+        if min(sizes.first_turns, default=0) <= threshold:
+            notes.append(f"note: a first turn ({min(sizes.first_turns):,} tokens) is not above the PFlash "
+                         f"threshold ({threshold:,}): PFlash will not compress it")
+        if max(sizes.appended, default=0) >= threshold:
+            notes.append(f"note: an appended turn (+{max(sizes.appended):,} tokens) reaches the PFlash threshold "
+                         f"({threshold:,}): PFlash compresses it even over a cached prefix")
+    return notes
 
 
 def _pair(config: BenchConfig, progress: Progress) -> ModelPair:
@@ -163,7 +245,7 @@ def _pair(config: BenchConfig, progress: Progress) -> ModelPair:
     else:
         progress(f"writing models under {config.workdir / 'models'}")
         pair = write_models(config.workdir / "models", config.target, config.draft)
-    check_models(pair)
+    check_models(pair, needs_draft=config.host.needs_draft)
     return pair
 
 
@@ -172,8 +254,12 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
     from ...runner.blas import describe
 
     pair = _pair(config, progress)
+    tokenizer = load_target_tokenizer(pair)
+    config, fit = fit_to_target(config, tokenizer, progress)
+    count = prompt_counter(tokenizer)
     report = BenchReport(
-        target=pair.target_id, draft=pair.draft_id, host=_host_version(config.host),
+        target=pair.target_id, draft=pair.draft_id or "(none: the sparse route needs no draft)",
+        host=_host_version(config.host), token_fit=fit,
         blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
@@ -183,7 +269,15 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
             report.curve = run_curve(config, pair, progress)
             continue
         session = sessions_mod.build(name, config.shape, config.think_s)
-        result = SessionResult(name=name, description=session.description, budget_pct=config.budget_pct)
+        sizes = sessions_mod.token_sizes(session, count)
+        notes = size_notes(config, pair, sizes)
+        progress(f"[{name}] sizes in the target's tokens: {sizes.describe()}")
+        for note in notes:
+            progress(f"[{name}] {note}")
+        report.notes.extend(f"[{name}] {note}" for note in notes)
+        result = SessionResult(name=name, description=session.description, budget_pct=config.budget_pct,
+                               token_sizes=dataclasses.asdict(sizes) | {"describe": sizes.describe()},
+                               sparse_hint=config.host.sparse_hint())
         for arm in ("sparse_off", "sparse_on", "sparse_recovery"):
             result.arms[arm] = run_arm(config, pair, session, arm, config.workdir / "runs" / f"{name}-{arm}", progress)
         report.sessions.append(result)

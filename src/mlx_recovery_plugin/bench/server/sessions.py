@@ -8,7 +8,9 @@ system message because oMLX 0.7.0 protects the system prompt from SpecPrefill: i
 the sparse route only when the non-system part of the uncached prompt exceeds the
 threshold, so an 8,500-token system message with short turns is never served sparse.
 Replies are scripted, so every arm sends exactly the same prompts. With the byte-level
-tokenizer a character is a token.
+tokenizer a character is a token; for any other tokenizer :func:`fit_shape` turns the
+sizes, read as the target's tokens, into characters of the text each part is made of, and
+:func:`token_sizes` measures what the server will count (the chat template applied).
 
 A session is a list of steps; each step sends one conversation's messages so far and is
 followed by ``think_s`` of idle time.
@@ -16,7 +18,9 @@ followed by ``think_s`` of idle time.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ...demo.session import _prose, _tool_output
@@ -24,11 +28,19 @@ from ...demo.session import _prose, _tool_output
 SESSION_NAMES = ("agent", "interleaved", "fork", "gaps", "curve")
 DEFAULT_CURVE = (5.0, 10.0, 20.0, 40.0)
 GAP_S = 2.0
+# Characters of each kind of text measured to find the tokenizer's chars per token.
+SAMPLE_CHARS = 20_000
+# Chars per token this close to 1 is a byte-level tokenizer: the shape is left as it is.
+BYTE_LEVEL_TOLERANCE = 0.02
+
+Encode = Callable[[str], Sequence[int]]
+CountPrompt = Callable[[list[dict[str, str]]], int]
 
 
 @dataclass(slots=True, frozen=True)
 class Shape:
-    """Sizes in characters (= tokens) of one conversation."""
+    """Sizes in characters of one conversation (= tokens with the byte-level tokenizer;
+    :func:`fit_shape` makes them tokens of another)."""
 
     system_chars: int = 300
     context_chars: int = 8500
@@ -133,3 +145,89 @@ def build(name: str, shape: Shape, think_s: float) -> Session:
     if name == "gaps":
         return gaps(shape)
     raise ValueError(f"unknown session {name!r}; valid: {', '.join(SESSION_NAMES)}")
+
+
+@dataclass(slots=True, frozen=True)
+class TokenFit:
+    """How a shape was fitted to the target's tokenizer: characters per token of each kind
+    of text the conversation is made of (prose: system, replies, questions; tool output:
+    the first user message and each turn's tool output)."""
+
+    prose_chars_per_token: float
+    tool_chars_per_token: float
+
+    @property
+    def byte_level(self) -> bool:
+        return all(abs(x - 1.0) <= BYTE_LEVEL_TOLERANCE
+                   for x in (self.prose_chars_per_token, self.tool_chars_per_token))
+
+
+def chars_per_token(encode: Encode, make: Callable[[random.Random, int], str], sample_chars: int = SAMPLE_CHARS,
+                    seed: int = 0) -> float:
+    """Characters per token of ``sample_chars`` of ``make``'s text (a seed the sessions do
+    not use, so the sample is like their text, not it)."""
+    text = make(random.Random(seed), sample_chars)
+    return len(text) / max(1, len(encode(text)))
+
+
+def fit_shape(shape: Shape, encode: Encode) -> tuple[Shape, TokenFit]:
+    """``shape`` with its sizes read as ``encode``'s tokens: each size is scaled by the
+    characters per token of the text it is made of. A byte-level tokenizer keeps the
+    shape unchanged (so the byte model's sessions stay what they were)."""
+    fit = TokenFit(chars_per_token(encode, _prose), chars_per_token(encode, _tool_output))
+    if fit.byte_level:
+        return shape, fit
+
+    def prose(n: int) -> int:
+        return max(1, round(n * fit.prose_chars_per_token))
+
+    def tool(n: int) -> int:
+        return max(1, round(n * fit.tool_chars_per_token))
+
+    return dataclasses.replace(
+        shape, system_chars=prose(shape.system_chars), context_chars=tool(shape.context_chars),
+        reply_chars=prose(shape.reply_chars), tool_chars=tool(shape.tool_chars),
+        question_chars=prose(shape.question_chars),
+    ), fit
+
+
+@dataclass(slots=True, frozen=True)
+class TokenSizes:
+    """A session's prompts as the server counts them: per step the whole prompt, and what
+    a conversation's step added to its previous one (0 for its first turn)."""
+
+    prompts: tuple[int, ...]
+    appended: tuple[int, ...]
+    first_turns: tuple[int, ...]  # the prompt of each conversation's first turn
+
+    @property
+    def longest(self) -> int:
+        return max(self.prompts, default=0)
+
+    def describe(self) -> str:
+        later = [a for a in self.appended if a > 0]
+        firsts = ", ".join(f"{n:,}" for n in self.first_turns)
+        grown = f"+{min(later):,}..+{max(later):,}" if later else "none"
+        return (f"first turn {firsts} tokens, appended turns {grown} tokens, longest prompt "
+                f"{self.longest:,} tokens")
+
+
+def token_sizes(session: Session, count: CountPrompt) -> TokenSizes:
+    """Measure ``session`` with ``count`` (messages -> the prompt's tokens, the chat
+    template applied). An edited turn (a fork) counts against its conversation's last
+    prompt, so a shorter edit appends 0."""
+    prompts: list[int] = []
+    appended: list[int] = []
+    firsts: list[int] = []
+    last: dict[str, int] = {}
+    for step in session.steps:
+        n = count(list(step.messages))
+        conv = step.conversation.rstrip("'")
+        prompts.append(n)
+        if conv in last:
+            appended.append(max(0, n - last[conv]))
+        else:
+            appended.append(0)
+            firsts.append(n)
+        last[conv] = n
+    return TokenSizes(tuple(prompts), tuple(appended), tuple(firsts))

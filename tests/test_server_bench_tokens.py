@@ -1,0 +1,148 @@
+"""The server bench's sessions in the target's own tokens, and a run where the sparse
+route never applied (cheap: fake tokenizers, hand-made records, no server)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from mlx_recovery_plugin.bench.server import sessions
+from mlx_recovery_plugin.bench.server.cli import _config, add_parser
+from mlx_recovery_plugin.bench.server.hosts import OMLX, RAPID
+from mlx_recovery_plugin.bench.server.models import ModelPair
+from mlx_recovery_plugin.bench.server.report import (
+    ArmRun,
+    BenchReport,
+    SessionResult,
+    StepRecord,
+    format_session,
+)
+from mlx_recovery_plugin.bench.server.run import BenchConfig, size_notes, sparse_lines
+
+
+def byte_encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def four_chars_a_token(text: str) -> list[int]:
+    return list(range((len(text) + 3) // 4))
+
+
+def count_with(encode):
+    """A chat template of one marker token per message plus the generation prompt."""
+    return lambda messages: sum(len(encode(m["content"])) + 1 for m in messages) + 1
+
+
+def test_a_byte_level_tokenizer_keeps_the_shape_as_it_was() -> None:
+    shape = sessions.Shape()
+    fitted, fit = sessions.fit_shape(shape, byte_encode)
+    assert fit.byte_level and fitted == shape
+
+
+def test_a_bpe_like_tokenizer_gets_the_intended_token_counts() -> None:
+    shape = sessions.Shape(context_chars=6000, turns=3)
+    fitted, fit = sessions.fit_shape(shape, four_chars_a_token)
+    assert not fit.byte_level and fitted.context_chars > 3.5 * shape.context_chars
+    sizes = sessions.token_sizes(sessions.agent(fitted, 1.0), count_with(four_chars_a_token))
+    first = shape.system_chars + shape.context_chars + shape.question_chars
+    appended = shape.reply_chars + shape.tool_chars + shape.question_chars
+    assert sizes.first_turns[0] == pytest.approx(first, rel=0.02)
+    assert sizes.appended[0] == 0
+    assert all(a == pytest.approx(appended, rel=0.03) for a in sizes.appended[1:])
+    assert "first turn" in sizes.describe() and f"{sizes.longest:,}" in sizes.describe()
+
+
+def test_a_fork_counts_against_its_conversation_and_a_second_conversation_starts_at_zero() -> None:
+    shape = sessions.Shape(context_chars=500, turns=3)
+    fork = sessions.token_sizes(sessions.fork(shape, 1.0), count_with(byte_encode))
+    assert len(fork.first_turns) == 1 and fork.appended[-1] == 0  # an edited question of the same size
+    both = sessions.token_sizes(sessions.interleaved(shape, 1.0), count_with(byte_encode))
+    assert len(both.first_turns) == 2 and both.appended[:2] == (0, 0)
+
+
+def test_the_command_line_sets_the_context_in_tokens_and_needs_no_draft_for_rapid(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["server", "--host", "rapid", "--model-dir", str(tmp_path), "--target-id", "smol",
+                              "--context-tokens", "5200", "--max-tokens", "8"])
+    config = _config(args, tmp_path)
+    assert config.shape.context_chars == 5200 and config.max_tokens == 8
+    assert config.pair == ModelPair(tmp_path, "smol", "")
+    with pytest.raises(ValueError, match="--draft-id"):
+        _config(parser.parse_args(["server", "--model-dir", str(tmp_path), "--target-id", "smol"]), tmp_path)
+
+
+def test_sizes_that_miss_the_context_or_the_pflash_threshold_are_named(tmp_path: Path) -> None:
+    target = tmp_path / "smol"
+    target.mkdir()
+    (target / "config.json").write_text('{"max_position_embeddings": 8192}')
+    pair = ModelPair(tmp_path, "smol", "")
+    rapid = BenchConfig(workdir=tmp_path, host=RAPID)
+    good = sessions.TokenSizes(prompts=(5600, 6200, 8100), appended=(0, 600, 600), first_turns=(5600,))
+    assert size_notes(rapid, pair, good) == []
+    short = sessions.TokenSizes(prompts=(1900, 2050, 9000), appended=(0, 150, 6950), first_turns=(1900,))
+    notes = " | ".join(size_notes(rapid, pair, short))
+    assert "beyond the target's context (8192)" in notes.replace(",", "")
+    assert "not above the PFlash threshold" in notes and "reaches the PFlash threshold" in notes
+    assert len(size_notes(BenchConfig(workdir=tmp_path, host=OMLX), pair, short)) == 1  # no PFlash there
+
+
+def test_the_sparse_route_is_read_from_each_hosts_log_lines() -> None:
+    rapid_log = (
+        "INFO [pflash] request=abc123def456 compressed 5642 -> 1128 tokens ratio=0.200 scoring_ms=3.1\n"
+        "DEBUG [pflash] request=fff123def456 skipped reason=below_threshold tokens=600\n"
+    )
+    assert sparse_lines(RAPID, rapid_log) == 1
+    assert sparse_lines(OMLX, "SpecPrefill: sparse prefill 1800/9000 conv tokens in 2.0s\n") == 1
+    assert sparse_lines(OMLX, rapid_log) == 0
+
+
+def _arm(arm: str, rows: list[tuple[int, int, float, bool]], answers: list[str] | None = None) -> ArmRun:
+    run = ArmRun(arm)
+    for i, (prompt, cached, ttft, sparse) in enumerate(rows):
+        run.steps.append(StepRecord(
+            i + 1, "A", i + 1, "", prompt, cached, ttft, ttft, 0.0,
+            {"tokens_recovered": 0, "tokens_run": 0} if arm == "sparse_recovery" else None,
+            sparse=sparse, answer=(answers or ["x"] * len(rows))[i],
+        ))
+    return run
+
+
+def _result(on_sparse: bool) -> SessionResult:
+    result = SessionResult("agent", "test", sparse_hint="PFlash applies above 4,096 uncached tokens")
+    result.arms = {
+        "sparse_off": _arm("sparse_off", [(1900, 0, 4.0, False), (2050, 1900, 0.5, False)], ["a", "b"]),
+        "sparse_on": _arm("sparse_on", [(1900, 0, 4.1, on_sparse), (2050, 1900, 0.5, False)], ["a", "c"]),
+        "sparse_recovery": _arm("sparse_recovery", [(1900, 0, 4.0, on_sparse), (2050, 1900, 0.5, False)],
+                                ["a", "b"]),
+    }
+    return result
+
+
+def test_a_run_where_the_sparse_route_never_applied_says_so_and_prints_no_ratio() -> None:
+    result = _result(on_sparse=False)
+    text = "\n".join(format_session(result))
+    assert "THE SPARSE ROUTE NEVER APPLIED" in text and "PFlash applies above 4,096" in text
+    assert "recovery minus" not in text and "worst later turn" not in text
+    assert "served sparse (server log): sparse off 0/2, sparse on 0/2, sparse on + recovery 0/2" in text
+    summary = BenchReport("t", "d", "rapid", "openblas", 50.0, 30.0, 1.0, 2, "auto", [result]).to_json()["summary"]
+    assert summary["agent"]["sparse_route_applied"] is False
+    assert summary["agent"]["sparse_steps"]["sparse_on"] == 0
+
+
+def test_a_run_where_the_sparse_route_applied_prints_its_ratios_and_compares_answers() -> None:
+    result = _result(on_sparse=True)
+    text = "\n".join(format_session(result))
+    assert "NEVER APPLIED" not in text and "recovery minus" in text
+    assert "answer equals sparse off's: sparse on 0/1, sparse on + recovery 1/1" in text.lower()
+    assert result.sparse_route_applied() is True
+
+
+def test_a_log_that_cannot_tell_leaves_the_route_unknown_and_the_ratios_in() -> None:
+    result = _result(on_sparse=True)
+    for step in result.arms["sparse_on"].steps:
+        step.sparse = None
+    assert result.sparse_route_applied() is None and result.sparse_note() == ""
+    assert "served sparse: unknown" in "\n".join(format_session(result))
