@@ -259,6 +259,24 @@ def test_past_the_byte_limit_blocks_a_sparse_next_turn_would_not_use_are_publish
     assert rig.restorable(prompt) == 64
 
 
+def test_a_whole_prefix_held_as_not_yet_clear_is_published_once_the_evidence_says_it_pays(rigs) -> None:
+    """Dense append 5.12 s against a sparse rerun of about 5.4 s: the whole prefix is held,
+    neither surely paying nor surely not. Nothing runs for it any more, so the policy judges
+    it again when it learns more: here the host times the conversation's sparse route again
+    at 12 s, and the held prefix is published before the conversation comes back."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(23, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=3.51)
+    rig.idle(until=rig.clock() + 100.0)
+    (job,) = rig.status()["jobs"]
+    assert job["held_tokens"] == 960 and rig.restorable(prompt) == 0
+    assert "not yet clear" in rig.status()["policy"]["reason"]
+    rig.prefilled(prompt, cached=0, route=Route.SPARSE, seconds=12.0)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(prompt) == 960
+    assert rig.status()["jobs"] == []
+
+
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     prompt = random_tokens(16, PROMPT)

@@ -331,13 +331,9 @@ def decide(
         )
         return Decision(Verdict.HOLD, f"a {boundary}-token prefix {why}; holding until {full_boundary}",
                         dense.mid, sparse)
-    # The whole prefix, expected at least even: published. A held whole prefix is not
-    # judged again before the conversation's next turn, which would then find none of it;
-    # published, that turn is the host's own measurement of the dense append and settles
-    # the question (a wrong guess costs one turn, by no more than the estimate's scatter).
-    if dense.mid <= sparse:
+    if dense.mid <= margin * sparse:
         return Decision(
-            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s <= sparse rerun {sparse:.2f} s",
+            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s < sparse rerun {sparse:.2f} s",
             dense.mid, sparse,
         )
     return Decision(

@@ -106,6 +106,8 @@ class RecoveryJob:
     #: A turn arrived since the last slice: the next slice runs before any stand-down, so
     #: the verdict is taken on a measurement of today's machine at the job's frontier.
     fresh_turn: bool = False
+    #: The policy's evidence when the held blocks were last judged.
+    held_evidence: int = 0
 
     # -- queries ---------------------------------------------------------------------
 
@@ -175,9 +177,15 @@ class RecoveryJob:
         self.tokens_recovered += gained
         return gained
 
-    def hold(self, blocks: list[BlockState]) -> None:
-        """Keep finished blocks back until a longer prefix pays."""
+    def hold(self, blocks: list[BlockState], evidence: int = 0) -> None:
+        """Keep finished blocks back until a longer prefix pays (``evidence``: the policy's
+        when they were held)."""
         self.held = blocks
+        self.held_evidence = evidence
+
+    def held_whole(self, block_size: int) -> bool:
+        """Every block up to the end is finished, and some are held back."""
+        return bool(self.held) and self.stood_down is None and self.frontier(block_size) >= self.publish_end(block_size)
 
     def release_held(self) -> None:
         """The held blocks go out with a publication."""

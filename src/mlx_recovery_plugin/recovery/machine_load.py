@@ -51,8 +51,8 @@ def read_counters() -> tuple[float, float, float] | None:
     except ImportError:
         return None
     t = psutil.cpu_times()
-    busy = sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
-    return busy, busy + t.idle + getattr(t, "iowait", 0.0), own
+    busy = sum(float(getattr(t, name, 0.0)) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+    return busy, busy + float(t.idle) + float(getattr(t, "iowait", 0.0)), own
 
 
 class MachineLoad:

@@ -261,6 +261,7 @@ class EngineRecovery:
             wait = self.book.seconds_until_unparked(now)
         if job is None:
             self._retire_live()
+            self._publish_held_that_now_pays()
             if self._ledger.pending:
                 wait = RELEASE_RETRY_S if wait is None else min(wait, RELEASE_RETRY_S)
             return _later(wait)
@@ -440,7 +441,7 @@ class EngineRecovery:
                         job, f"holding {len(pending)} finished blocks would pass {env_name('max_held_mib')}"
                     )
                 else:
-                    job.hold(pending)
+                    job.hold(pending, self.judge.evidence)
                     self.counters.slices_held += 1
             else:
                 self._stand_down_locked(job, decision.reason)
@@ -456,6 +457,27 @@ class EngineRecovery:
         held_elsewhere = sum(j.held_bytes() for j in self.book if j is not job)
         if held_elsewhere + sum(b.nbytes for b in pending) <= self._max_held_bytes:
             job.hold(pending)
+
+    def _publish_held_that_now_pays(self) -> None:
+        """A whole prefix held "not yet clear" is not worked on again, so nothing else would
+        judge it before its conversation returns: judge it again once the evidence has
+        grown (another job's slices, the host's own turns), and publish it if it pays."""
+        with self._lock:
+            waiting = [j for j in self.book if j.held_whole(self.block_size) and j.held_evidence < self.judge.evidence]
+        for job in waiting:
+            end = job.publish_end(self.block_size)
+            decision = self.judge.judge(job, end)
+            with self._lock:
+                job.held_evidence = self.judge.evidence
+                pending = job.pending_with([], self.block_size)
+                if decision.verdict is not Verdict.PUBLISH:
+                    continue
+                job.release_held()
+            if self._publish(job, pending):
+                with self._lock:
+                    if job.done(self.block_size):
+                        self.book.complete(job.job_id)
+                        self.counters.jobs_completed += 1
 
     def _drop_held_blocks(self, reason: Refusal) -> None:
         """Recovery is off or memory is short: give back what the policy held."""
