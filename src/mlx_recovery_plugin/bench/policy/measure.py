@@ -59,6 +59,8 @@ class CellResult:
     tokens_run: int = 0
     tokens_recovered: int = 0
     idle_s: float = 0.0
+    #: The sparse rerun measured again right after the turn with recovery (None: not).
+    sparse_after_s: float | None = None
 
     @property
     def dense_s(self) -> float:
@@ -113,8 +115,10 @@ class CellResult:
 
     @property
     def turn_ratio(self) -> float:
-        """The next turn with recovery against the sparse rerun."""
-        return self.recovery_turn_s / max(self.sparse_s, 1e-9)
+        """The next turn with recovery against the sparse rerun (its median over the
+        reruns before the turn and the one right after it)."""
+        around = self.sparse_rerun_s + ([self.sparse_after_s] if self.sparse_after_s is not None else [])
+        return self.recovery_turn_s / max(statistics.median(around), 1e-9)
 
     @property
     def cost_s(self) -> float:
@@ -134,7 +138,7 @@ class CellResult:
             "dense_append_s": self.dense_append_s, "sparse_rerun_s": self.sparse_rerun_s,
             "dense_cached": self.dense_cached, "pays": self.pays, "pays_range": list(self.spread),
             "truth": self.truth, "verdict": self.verdict, "wrong": self.wrong, "cost_s": self.cost_s,
-            "slow_turn": self.slow_turn,
+            "slow_turn": self.slow_turn, "sparse_after_s": self.sparse_after_s,
             "recovery_turn_s": self.recovery_turn_s, "recovery_cached": self.recovery_cached,
             "turn_ratio": self.turn_ratio, "tokens_run": self.tokens_run,
             "tokens_recovered": self.tokens_recovered, "committed_share": self.committed_share,
@@ -166,6 +170,7 @@ def measure_cell(
     with tempfile.TemporaryDirectory(prefix="bench-policy-", dir=cache_root) as root:
         off = OmlxArm("sparse_off", model, tokenizer, draft, config, Path(root) / "off")
         on = OmlxArm("sparse_on", model, tokenizer, draft, config, Path(root) / "on")
+        arms = [off, on]
         try:
             off_first_s = off.serve(base, 0).row.ttft_s
             off.think(SETTLE_S)
@@ -182,11 +187,8 @@ def measure_cell(
                         cached = row.cached_tokens
                     else:
                         sparse.append(row.ttft_s)
-        finally:
-            off.close()
-            on.close()
-        rec = OmlxArm("sparse_recovery", model, tokenizer, draft, config, Path(root) / "rec")
-        try:
+            rec = OmlxArm("sparse_recovery", model, tokenizer, draft, config, Path(root) / "rec")
+            arms.append(rec)
             # Loaded: the first turn and the first stretch of idle time (half what a
             # quiet dense read of the prefix takes), then a quiet machine for the rest and
             # the next turn, as when a user's build or another model ends.
@@ -203,12 +205,17 @@ def measure_cell(
             before = _engine_status(rec.plugin.status())
             row = rec.serve(nexts[0], 1).row
             rec.think(SETTLE_S)
+            # The sparse rerun once more, right after: the machine's speed drifts over a
+            # cell, and the turn with recovery is judged against reruns on both sides of it.
+            after = on.serve(base + tokens(cell.append, seed + 1 + len(nexts)), len(nexts) + 1).row.ttft_s
+            on.think(SETTLE_S)
         finally:
-            rec.close()
+            for arm in arms:
+                arm.close()
     jobs = before.get("jobs", [])
     counters = before.get("counters", {})
     return CellResult(
-        cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached,
+        cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached, sparse_after_s=after,
         recovery_turn_s=row.ttft_s, recovery_cached=row.cached_tokens,
         verdict=_verdict(row.cached_tokens, cached, matrix.block, jobs, counters),
         policy={k: before.get("policy", {}).get(k) for k in
