@@ -62,8 +62,11 @@ def deep(tmp_path_factory: pytest.TempPathFactory, tiny_draft_dir: Path) -> tupl
 
 def test_an_arrival_mid_slice_keeps_the_finished_passes_and_the_job_resumes_after_them(deep) -> None:
     model, tokenizer, draft = deep
+    # Publication mechanics on partial prefixes: the auto policy would hold a partial
+    # prefix under a next turn that stays sparse.
     settings = RecoverySettings(
-        budget_pct=50.0, idle_steps=2, slice_tokens=SLICE, models={MODEL: {"enabled": True}}
+        budget_pct=50.0, idle_steps=2, slice_tokens=SLICE, models={MODEL: {"enabled": True}},
+        publish_policy="always",
     )
     counting = CountingModel(model)
     begun: list[int] = []
