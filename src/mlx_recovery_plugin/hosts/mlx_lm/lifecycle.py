@@ -82,6 +82,7 @@ class Requests:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._live: dict[str, _Live] = {}
+        self._departing: set[str] = set()
         self._by_request: dict[int, str] = {}
         self._by_uid: dict[tuple[int, int], str] = {}
         self._finishing: list[str] = []  # finished in a step; depart once the server is done
@@ -174,8 +175,9 @@ class Requests:
         return self._current
 
     def live_ids(self) -> list[str]:
+        """Requests told as arrived and not yet told as departed."""
         with self._lock:
-            return list(self._live)
+            return [*self._live, *self._departing]
 
     def request_id(self, request: Any) -> str | None:
         """The id the adapter gave ``request`` (a ``CompletionRequest``) while it is live."""
@@ -242,11 +244,18 @@ class Requests:
             self._by_request.pop(live.request_key, None)
             if live.uid is not None:
                 self._by_uid.pop(live.uid, None)
-        if reason is DepartureReason.ABORTED:
-            self.emitter.request_aborted(ENGINE_ID, rid)
-            if self.on_aborted is not None:
-                self.on_aborted(live.model, live.tokens)
-        self.emitter.request_departed(RequestDeparted(engine_id=ENGINE_ID, request_id=rid, reason=reason))
+            # Still counted as live until its departure is told (a reader waiting for no
+            # live request must not run ahead of the hook).
+            self._departing.add(rid)
+        try:
+            if reason is DepartureReason.ABORTED:
+                self.emitter.request_aborted(ENGINE_ID, rid)
+                if self.on_aborted is not None:
+                    self.on_aborted(live.model, live.tokens)
+            self.emitter.request_departed(RequestDeparted(engine_id=ENGINE_ID, request_id=rid, reason=reason))
+        finally:
+            with self._lock:
+                self._departing.discard(rid)
 
     def _guard(self, where: str, action: Callable[[], None]) -> None:
         try:
