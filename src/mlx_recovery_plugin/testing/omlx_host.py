@@ -106,7 +106,7 @@ class OmlxContractHost:
     supports_abort_all = True
     supports_fail_all = True
     supports_threads = True
-    serves_sparse_one_at_a_time = True
+    serves_sparse_one_at_a_time: bool
 
     def __init__(
         self,
@@ -129,6 +129,9 @@ class OmlxContractHost:
         SchedulerConfig = member.resolve(member.scheduler_module).SchedulerConfig
 
         self.member = member
+        # fusion-mlx 0.10.24's SpecPrefill fails on a second queued sparse request
+        # ("'_OffsetAdjustedRoPE' object has no attribute 'dims'") and prefills it densely.
+        self.serves_sparse_one_at_a_time = member is FLYTO_MLX
         self._tmp = None if cache_dir is not None else tempfile.TemporaryDirectory(prefix="omlx-contract-")
         cache_path = str(cache_dir if cache_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         self.model_name = model_id or f"contract-{next(_names)}"
