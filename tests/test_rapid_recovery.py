@@ -48,9 +48,11 @@ class IdleThreads:
 
 
 def make_host(models: tuple[Any, Any], *plugins: object, recovery: bool = True) -> tuple[RapidContractHost, RecoveryPlugin | None]:
+    # Publication mechanics on partial prefixes: the auto policy would hold a partial
+    # prefix under a next turn that stays sparse.
     settings = RecoverySettings(
         budget_pct=100.0 if recovery else 0.0, slice_tokens=4 * BLOCK, idle_steps=1,
-        models={MODEL: ModelSettings(enabled=True)},
+        models={MODEL: ModelSettings(enabled=True)}, publish_policy="always",
     )
     plugin = RecoveryPlugin(settings=settings, control_socket=False) if recovery else None
     pm = make_plugin_manager([p for p in (plugin, *plugins) if p is not None], settings=settings, entry_points_too=False)
