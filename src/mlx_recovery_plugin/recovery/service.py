@@ -387,12 +387,7 @@ class EngineRecovery:
             return False
         with self._lock:
             job.progressed()
-            if job.done(self.block_size):
-                self.book.complete(job.job_id)
-                self.counters.jobs_completed += 1
-                finished = True
-            else:
-                finished = job.stood_down is not None
+            finished = self._complete_if_done_locked(job) or job.stood_down is not None
         if finished:
             self._retire_live()
         return True
@@ -404,9 +399,7 @@ class EngineRecovery:
         def settle(restorable: int) -> tuple[BlockState, ...] | None:
             with self._lock:
                 self.counters.ground_lost_tokens += job.restore_to(restorable, self.block_size)
-                if job.done(self.block_size):
-                    self.book.complete(job.job_id)
-                    self.counters.jobs_completed += 1
+                if self._complete_if_done_locked(job):
                     return None
                 return tuple(job.held)
 
@@ -458,6 +451,14 @@ class EngineRecovery:
         if held_elsewhere + sum(b.nbytes for b in pending) <= self._max_held_bytes:
             job.hold(pending)
 
+    def _complete_if_done_locked(self, job: RecoveryJob) -> bool:
+        """Under ``_lock``: a job whose whole prefix is committed leaves the book."""
+        if not job.done(self.block_size):
+            return False
+        self.book.complete(job.job_id)
+        self.counters.jobs_completed += 1
+        return True
+
     def _publish_held_that_now_pays(self) -> None:
         """A whole prefix held "not yet clear" is not worked on again, so nothing else would
         judge it before its conversation returns: judge it again once the evidence has
@@ -475,9 +476,7 @@ class EngineRecovery:
                 job.release_held()
             if self._publish(job, pending):
                 with self._lock:
-                    if job.done(self.block_size):
-                        self.book.complete(job.job_id)
-                        self.counters.jobs_completed += 1
+                    self._complete_if_done_locked(job)
 
     def _drop_held_blocks(self, reason: Refusal) -> None:
         """Recovery is off or memory is short: give back what the policy held."""
