@@ -79,7 +79,10 @@ def raw_exchange(path: str, data: bytes) -> dict:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(5.0)
         sock.connect(path)
-        sock.sendall(data)
+        try:
+            sock.sendall(data)
+        except BrokenPipeError:
+            pass  # a busy server answers and hangs up before reading, as control.request knows
         reply = b""
         while not reply.endswith(b"\n"):
             chunk = sock.recv(65536)

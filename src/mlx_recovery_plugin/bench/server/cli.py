@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..openblas import add_openblas_flag, maybe_reexec
 from .hosts import HOSTS
 from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
-from .sessions import DEFAULT_CURVE, SESSION_NAMES
+from .sessions import DEFAULT_CONVERSATIONS, DEFAULT_CURVE, SESSION_NAMES
 
 if TYPE_CHECKING:
     from .run import BenchConfig
@@ -38,6 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--think-time", type=float, default=None, help="idle seconds between turns (default 30; --quick 10)")
     p.add_argument("--curve", type=float, nargs="+", default=None, help=f"think times of the curve (default {' '.join(f'{x:g}' for x in DEFAULT_CURVE)})")
     p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 5; --quick 3)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help=f"conversations of the concurrent session, each on its own schedule (default {DEFAULT_CONVERSATIONS})")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="tokens of each conversation's long first user message, in the target's tokens (default 8500)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -96,6 +98,10 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         if args.context_tokens <= 0:
             raise ValueError(f"--context-tokens must be positive; got {args.context_tokens}")
         config.shape = dataclasses.replace(config.shape, context_chars=args.context_tokens)
+    if getattr(args, "conversations", None) is not None:
+        if args.conversations < 1:
+            raise ValueError(f"--conversations must be at least 1; got {args.conversations}")
+        config.conversations = args.conversations
     if getattr(args, "max_tokens", None) is not None:
         config.max_tokens = args.max_tokens
     return config

@@ -6,8 +6,11 @@ conversation plus sparse off's later turns. The best reachable is the oracle lim
 what recovery can re-read in the idle time it had: a later turn counts at sparse off's
 time only once the dense rate (sparse off's first turn) times the budget times the idle
 time since the conversation's first turn covers the conversation's previous prompt, and
-at sparse on's time before that (per conversation, as if it had the idle time alone). A
-figure that is missing is an error.
+at sparse on's time before that (per conversation, as if it had the idle time alone). In
+a concurrent session the idle time is the recovery arm's own: the time since the
+conversation's first answer during which no request was in flight, and the dense rate is
+the fastest of sparse off's first turns (the others queued). A figure that is missing is
+an error.
 
 Whether a turn was served sparse is read from the server's log (the line its sparse
 route writes per request); where no turn of the sparse-on arm was, the report says so
@@ -44,6 +47,8 @@ class StepRecord:
     status: dict[str, Any] | None = None  # recovery arm: the plugin's figures after the gap
     sparse: bool | None = None  # served by the sparse route (from the server's log); None: unknown
     answer: str | None = None  # the streamed answer (max_tokens of it)
+    sent_s: float | None = None  # concurrent: when the request was sent, from the session's start
+    done_s: float | None = None  # concurrent: when its answer ended
 
 
 @dataclass(slots=True)
@@ -52,6 +57,15 @@ class ArmRun:
     log_path: str = ""
     steps: list[StepRecord] = field(default_factory=list)
     traceback_in_log: bool = False
+    final_status: dict[str, Any] | None = None  # concurrent recovery arm: the status once every turn was served
+    sparse_requests: int | None = None  # concurrent: requests the sparse route served (log lines)
+
+    @property
+    def end_status(self) -> dict[str, Any] | None:
+        """The plugin's figures at the end of the session (recovery arm)."""
+        if self.final_status is not None:
+            return self.final_status
+        return self.steps[-1].status if self.steps else None
 
     @property
     def ttft_sum(self) -> float:
@@ -101,6 +115,8 @@ def best_reachable_steps(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float
     on's before (see the module docstring)."""
     if not (len(off.steps) == len(on.steps) == len(rec.steps)):
         raise ValueError("arms served different numbers of steps")
+    if rec.steps and all(s.sent_s is not None and s.done_s is not None for s in rec.steps):
+        return _best_reachable_concurrent(off, on, rec, budget_pct)
     rate: dict[str, float] = {}
     idle: dict[str, float] = {}
     previous: dict[str, int] = {}
@@ -120,6 +136,36 @@ def best_reachable_steps(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float
     return out
 
 
+def _idle_seconds(busy: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``[start, end]`` that no interval of ``busy`` covers."""
+    covered, cursor = 0.0, start
+    for a, b in sorted(busy):
+        a, b = max(a, cursor), min(b, end)
+        if b > a:
+            covered += b - a
+            cursor = b
+    return max(0.0, end - start - covered)
+
+
+def _best_reachable_concurrent(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float) -> list[float]:
+    busy = [(float(s.sent_s), float(s.done_s)) for s in rec.steps]  # type: ignore[arg-type]
+    firsts = [a.prompt_tokens / max(a.ttft_s, 1e-9) for a in off.steps if a.turn == 1 and not a.label]
+    rate = max(firsts, default=0.0)
+    first_done: dict[str, float] = {}
+    previous: dict[str, int] = {}
+    out = []
+    for a, b, c in zip(off.steps, on.steps, rec.steps):
+        conv = a.conversation.rstrip("'")
+        if conv not in first_done:
+            first_done[conv] = float(c.done_s)  # type: ignore[arg-type]
+            out.append(b.ttft_s)
+        else:
+            idle = _idle_seconds(busy, first_done[conv], float(c.sent_s))  # type: ignore[arg-type]
+            out.append(a.ttft_s if rate * budget_pct / 100.0 * idle >= previous[conv] else b.ttft_s)
+        previous[conv] = a.prompt_tokens
+    return out
+
+
 @dataclass(slots=True)
 class SessionResult:
     name: str
@@ -135,9 +181,12 @@ class SessionResult:
 
     token_sizes: dict[str, Any] | None = None  # sessions.TokenSizes as measured with the target's tokenizer
     sparse_hint: str = ""  # when the host's sparse route applies, for the note where it never did
+    concurrent: bool = False  # conversations on their own schedules, every arm in real time
 
     def sparse_steps(self, arm: str) -> int | None:
         """Steps of ``arm`` its server served sparse; None where the log could not tell."""
+        if self.arms[arm].sparse_requests is not None:
+            return self.arms[arm].sparse_requests
         steps = self.arms[arm].steps
         if any(s.sparse is None for s in steps):
             return None
@@ -177,7 +226,7 @@ class SessionResult:
 
     def committed_share(self) -> float | None:
         """Tokens recovery committed over the tokens its slices ran, at the end."""
-        last = self.arms["sparse_recovery"].steps[-1].status if self.arms["sparse_recovery"].steps else None
+        last = self.arms["sparse_recovery"].end_status
         if not last or not last.get("tokens_run"):
             return None
         return float(last["tokens_recovered"]) / float(last["tokens_run"])
@@ -274,6 +323,8 @@ def format_session(result: SessionResult) -> list[str]:
         f"## session {result.name}: {result.description}",
         *([f"sizes in the target's tokens: {result.token_sizes['describe']}"] if result.token_sizes else []),
         *([note] if note else []),
+        *(["conversations on their own schedules: every arm waited the real think time, and turns "
+           "queued behind each other; the status column is read after each turn"] if result.concurrent else []),
         f"{'step':>4} {'conv':>4} {'turn':>4} {'tokens':>7} | {'cached: off':>11} {'on':>6} {'on+rec':>7} "
         f"| {'TTFT s: off':>11} {'on':>6} {'on+rec':>7} {'oracle':>7} | {'rec-on':>7} {'rec-off':>7} | recovered",
     ]
@@ -310,8 +361,8 @@ def format_session(result: SessionResult) -> list[str]:
         slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
         if slow:
             lines.append(f"steps where recovery took over 1.1x sparse on: {', '.join(map(str, slow))}")
-    if rec.steps and rec.steps[-1].status:
-        lines.append("plugin status at the end: " + ", ".join(f"{k} {v}" for k, v in rec.steps[-1].status.items()))
+    if rec.end_status:
+        lines.append("plugin status at the end: " + ", ".join(f"{k} {v}" for k, v in rec.end_status.items()))
     return lines
 
 

@@ -4,14 +4,18 @@ sparse off: SpecPrefill off, no plugin. sparse on: SpecPrefill on, no plugin. sp
 recovery: SpecPrefill on, the plugin attached through environment variables only, and
 its status read over the control socket after every turn. Sparse off and sparse on do
 nothing while idle, so they wait only ``idle_wait_s`` between turns (the server's own
-cache store finishes within it); the recovery arm waits the real think time. Every server
+cache store finishes within it); the recovery arm waits the real think time. A concurrent
+session runs every conversation on its own thread and every arm waits the real think
+time (:mod:`.concurrent`): there the overlap is part of the measurement. Every server
 answers one short warm-up request first, so no turn pays for loading the models.
 
 Sessions are sized in the target's own tokens (its tokenizer, loaded from the target's
 directory, with its chat template), and each turn is marked sparse or dense by the line
 the host's sparse route logs for it.
 
-Threads: everything runs on the caller's thread; each server is its own process group.
+Threads: everything runs on the caller's thread, except a concurrent session's
+conversations (one thread each, joined before the arm ends); each server is its own
+process group.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ...recovery.control import ControlError, request
 from ...testing.tiny_model import TinyModelSpec
 from . import sessions as sessions_mod
 from .client import make_client, send_turn
+from .concurrent import serve_concurrently
 from .hosts import OMLX, ServerHost, arm_env
 from .models import (
     DEFAULT_DRAFT,
@@ -53,7 +58,8 @@ class BenchConfig:
     target: TinyModelSpec = DEFAULT_TARGET
     draft: TinyModelSpec = DEFAULT_DRAFT
     pair: ModelPair | None = None  # an existing models directory instead of written models
-    sessions: tuple[str, ...] = ("agent", "interleaved", "fork", "gaps", "curve")
+    sessions: tuple[str, ...] = ("agent", "interleaved", "concurrent", "fork", "gaps", "curve")
+    conversations: int = sessions_mod.DEFAULT_CONVERSATIONS  # of the concurrent session
     shape: sessions_mod.Shape = field(default_factory=sessions_mod.Shape)
     curve_turns: int = 3
     think_s: float = 30.0
@@ -144,6 +150,19 @@ def run_arm(
         zero = config.host.omits_zero_cached
         send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1,
                   absent_cached_is_zero=zero)
+        if session.concurrent:
+            api_key = spec.environment().get("FUSION_MLX_API_KEY", "unused")
+            before = sparse_lines(config.host, server.log_text())
+            serve_concurrently(
+                session, make_client=lambda: make_client(server.base_url, api_key=api_key), model=pair.target_id,
+                max_tokens=config.max_tokens, absent_cached_is_zero=zero,
+                read_status=(lambda: _read_status(server)) if arm == "sparse_recovery" else None,
+                progress=progress, tag=tag, run=run,
+            )
+            after = sparse_lines(config.host, server.log_text())
+            run.sparse_requests = None if before is None or after is None else after - before
+            run.traceback_in_log = "Traceback (most recent call last)" in server.log_text()
+            return run
         for index, step in enumerate(session.steps):
             seen = sparse_lines(config.host, server.log_text())
             measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
@@ -268,7 +287,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         if name == "curve":
             report.curve = run_curve(config, pair, progress)
             continue
-        session = sessions_mod.build(name, config.shape, config.think_s)
+        session = sessions_mod.build(name, config.shape, config.think_s, config.conversations)
         sizes = sessions_mod.token_sizes(session, count)
         notes = size_notes(config, pair, sizes)
         progress(f"[{name}] sizes in the target's tokens: {sizes.describe()}")
@@ -277,7 +296,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         report.notes.extend(f"[{name}] {note}" for note in notes)
         result = SessionResult(name=name, description=session.description, budget_pct=config.budget_pct,
                                token_sizes=dataclasses.asdict(sizes) | {"describe": sizes.describe()},
-                               sparse_hint=config.host.sparse_hint())
+                               sparse_hint=config.host.sparse_hint(), concurrent=session.concurrent)
         for arm in ("sparse_off", "sparse_on", "sparse_recovery"):
             result.arms[arm] = run_arm(config, pair, session, arm, config.workdir / "runs" / f"{name}-{arm}", progress)
         report.sessions.append(result)

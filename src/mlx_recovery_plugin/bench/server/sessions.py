@@ -13,7 +13,10 @@ sizes, read as the target's tokens, into characters of the text each part is mad
 :func:`token_sizes` measures what the server will count (the chat template applied).
 
 A session is a list of steps; each step sends one conversation's messages so far and is
-followed by ``think_s`` of idle time.
+followed by ``think_s`` of idle time. In a *concurrent* session each conversation runs on
+its own schedule, as several agents on one server do: it starts ``start_s`` into the
+session and sends its next turn ``think_s`` after its previous answer, whatever the
+others are doing, so turns overlap and queue behind each other.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from dataclasses import dataclass, field
 
 from ...demo.session import _prose, _tool_output
 
-SESSION_NAMES = ("agent", "interleaved", "fork", "gaps", "curve")
+SESSION_NAMES = ("agent", "interleaved", "concurrent", "fork", "gaps", "curve")
+DEFAULT_CONVERSATIONS = 3
+# A concurrent session's think times vary by this factor either way around think_s (seeded).
+THINK_SPREAD = 0.5
 DEFAULT_CURVE = (5.0, 10.0, 20.0, 40.0)
 GAP_S = 2.0
 # Characters of each kind of text measured to find the tokenizer's chars per token.
@@ -55,8 +61,9 @@ class Step:
     conversation: str
     turn: int  # 1-based turn of that conversation
     messages: tuple[dict[str, str], ...]
-    think_s: float  # idle time after this step
+    think_s: float  # idle time after this step (concurrent: before this conversation's next turn)
     label: str = ""
+    start_s: float = 0.0  # concurrent: when a conversation's first turn is sent, from the session's start
 
 
 @dataclass(slots=True)
@@ -64,6 +71,7 @@ class Session:
     name: str
     description: str
     steps: list[Step] = field(default_factory=list)
+    concurrent: bool = False  # each conversation on its own schedule (see the module docstring)
 
     @property
     def longest_prompt_chars(self) -> int:
@@ -117,6 +125,31 @@ def interleaved(shape: Shape, think_s: float) -> Session:
     return session
 
 
+def concurrent(shape: Shape, think_s: float, conversations: int = DEFAULT_CONVERSATIONS, seed: int = 11) -> Session:
+    """``conversations`` agents at once: each starts ``think_s / conversations`` after the
+    previous one and thinks ``think_s`` times a seeded factor in ``1 +- THINK_SPREAD``
+    between its turns. Steps are listed by their nominal send time (service time not
+    counted); what overlaps depends on how long the server takes."""
+    if conversations < 1:
+        raise ValueError(f"a concurrent session needs at least one conversation; got {conversations}")
+    rng = random.Random(seed)
+    stagger = think_s / conversations
+    planned: list[tuple[float, int, Step]] = []
+    for c in range(conversations):
+        name = chr(ord("A") + c) if c < 26 else f"C{c + 1}"
+        conv = Conversation(shape, seed=100 + c)
+        at = c * stagger
+        for t in range(shape.turns):
+            last = t == shape.turns - 1
+            think = 0.0 if last else think_s * rng.uniform(1 - THINK_SPREAD, 1 + THINK_SPREAD)
+            planned.append((at, c, Step(name, t + 1, conv.next_turn(), round(think, 2), start_s=c * stagger)))
+            at += think
+    planned.sort(key=lambda x: (x[0], x[1]))
+    return Session("concurrent", f"{conversations} conversations at once, {shape.turns} turns each, starts "
+                   f"{stagger:g} s apart, think time {think_s:g} s +-{THINK_SPREAD:.0%} (seeded)",
+                   [step for _, _, step in planned], concurrent=True)
+
+
 def fork(shape: Shape, think_s: float) -> Session:
     conv = Conversation(shape, seed=3)
     turns = max(2, shape.turns - 1)
@@ -134,12 +167,14 @@ def gaps(shape: Shape, gap_s: float = GAP_S) -> Session:
     return session
 
 
-def build(name: str, shape: Shape, think_s: float) -> Session:
+def build(name: str, shape: Shape, think_s: float, conversations: int = DEFAULT_CONVERSATIONS) -> Session:
     """One named session (``curve`` is built per think time by the runner with ``agent``)."""
     if name == "agent":
         return agent(shape, think_s)
     if name == "interleaved":
         return interleaved(shape, think_s)
+    if name == "concurrent":
+        return concurrent(shape, think_s, conversations)
     if name == "fork":
         return fork(shape, think_s)
     if name == "gaps":

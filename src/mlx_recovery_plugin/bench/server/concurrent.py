@@ -1,0 +1,83 @@
+"""Serving a concurrent session: every conversation on a thread of its own.
+
+Each conversation's thread sends its first turn ``start_s`` into the session and each next
+turn ``think_s`` after its previous answer, in every arm (sparse off and sparse on too:
+what overlaps, and so what queues behind what, is part of what is measured). Records land
+in the session's step order, whatever order the answers came in, so the arms compare
+step by step. A turn's sparse route cannot be told from the log when several run at once;
+the arm's total of sparse requests is counted instead.
+
+Threads: one per conversation, each with its own client; ``run.steps`` slots are each
+written by one thread and read after every thread has joined. The first error in a
+thread stops the others' next sends and is raised on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .client import send_turn
+from .report import ArmRun, StepRecord, status_figures
+from .sessions import Session, Step
+
+Progress = Callable[[str], None]
+ReadStatus = Callable[[], dict[str, Any]]
+
+
+def serve_concurrently(
+    session: Session, *, make_client: Callable[[], Any], model: str, max_tokens: int, absent_cached_is_zero: bool,
+    read_status: ReadStatus | None, progress: Progress, tag: str, run: ArmRun,
+) -> None:
+    """Serve ``session`` (``session.concurrent``) into ``run.steps``; ``read_status``: the
+    recovery arm's status after each turn and once at the end (``run.final_status``)."""
+    by_conversation: dict[str, list[tuple[int, Step]]] = {}
+    for index, step in enumerate(session.steps):
+        by_conversation.setdefault(step.conversation, []).append((index, step))
+    slots: list[StepRecord | None] = [None] * len(session.steps)
+    errors: list[BaseException] = []
+    failed = threading.Event()
+    started = time.monotonic()
+
+    def conversation(steps: list[tuple[int, Step]]) -> None:
+        client = make_client()
+        wake = started + steps[0][1].start_s
+        try:
+            for n, (index, step) in enumerate(steps):
+                if failed.wait(max(0.0, wake - time.monotonic())):
+                    return
+                sent = time.monotonic() - started
+                measure = send_turn(client, model, list(step.messages), max_tokens=max_tokens,
+                                    absent_cached_is_zero=absent_cached_is_zero)
+                done = time.monotonic() - started
+                last = n == len(steps) - 1
+                figures = status_figures(read_status()) if read_status is not None else None
+                progress(f"{tag} {step.conversation} turn {step.turn} at {sent:.1f} s: prompt {measure.prompt_tokens} "
+                         f"cached {measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
+                         + ("" if last else f"; thinks {step.think_s:g} s"))
+                slots[index] = StepRecord(
+                    step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
+                    prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
+                    ttft_s=measure.ttft_s, total_s=measure.total_s, idle_after_s=0.0 if last else step.think_s,
+                    status=figures, sparse=None, answer=measure.text, sent_s=round(sent, 3), done_s=round(done, 3),
+                )
+                wake = time.monotonic() + step.think_s
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            errors.append(exc)
+            failed.set()
+
+    threads = [threading.Thread(target=conversation, args=(steps,), name=f"bench-conv-{name}", daemon=True)
+               for name, steps in by_conversation.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    run.steps.extend(slot for slot in slots if slot is not None)
+    if len(run.steps) != len(session.steps):
+        raise RuntimeError(f"{tag}: {len(session.steps) - len(run.steps)} step(s) were not served")
+    if read_status is not None:
+        run.final_status = status_figures(read_status())

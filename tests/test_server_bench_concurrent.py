@@ -1,0 +1,176 @@
+"""``bench server``'s concurrent session: several conversations on their own schedules,
+their turns overlapping on one server. Cheap parts with a stand-in client (the threading,
+the records, errors), the best reachable from the recovery arm's real idle time, and one
+short concurrent session on the real oMLX server when it is installed."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mlx_recovery_plugin.bench.server import process, sessions
+from mlx_recovery_plugin.bench.server.concurrent import serve_concurrently
+from mlx_recovery_plugin.bench.server.report import ArmRun, SessionResult, StepRecord, best_reachable_steps
+
+
+def test_a_concurrent_session_staggers_its_conversations_and_lists_steps_by_send_time() -> None:
+    shape = sessions.Shape(context_chars=2000, turns=3)
+    session = sessions.build("concurrent", shape, think_s=30.0, conversations=3)
+    assert session.concurrent
+    assert [s.conversation for s in session.steps if s.turn == 1] == ["A", "B", "C"]
+    assert {s.conversation: s.start_s for s in session.steps} == {"A": 0.0, "B": 10.0, "C": 20.0}
+    for name in "ABC":
+        own = [s for s in session.steps if s.conversation == name]
+        assert [s.turn for s in own] == [1, 2, 3]
+        lengths = [sum(len(m["content"]) for m in s.messages) for s in own]
+        assert lengths == sorted(lengths) and lengths[0] > 2000
+        assert all(15.0 <= s.think_s <= 45.0 for s in own[:-1]) and own[-1].think_s == 0.0
+    # Different conversations, not one conversation sent three times.
+    assert len({s.messages[1]["content"] for s in session.steps if s.turn == 1}) == 3
+    with pytest.raises(ValueError, match="at least one"):
+        sessions.concurrent(shape, 30.0, conversations=0)
+
+
+def _chunk(text: str | None = None, usage=None) -> SimpleNamespace:
+    delta = SimpleNamespace(content=text)
+    return SimpleNamespace(choices=[SimpleNamespace(delta=delta)] if text is not None else [], usage=usage)
+
+
+class OneServer:
+    """A stand-in server that answers a conversation's first turn only once every
+    conversation's first turn has arrived: served one after another, the session would
+    never end (the barrier breaks), so finishing proves the turns overlapped."""
+
+    def __init__(self, conversations: int, fail_on: str | None = None) -> None:
+        self.first_turns = threading.Barrier(conversations, timeout=10.0)
+        self.fail_on = fail_on
+        self.lock = threading.Lock()
+        self.served: list[int] = []
+
+    def client(self) -> SimpleNamespace:
+        def create(*, messages, **kw):
+            prompt = sum(len(m["content"]) for m in messages)
+            if self.fail_on and self.fail_on in messages[-1]["content"]:
+                raise ConnectionError("the server went away")
+            if len(messages) == 3:  # a first turn: system, context, question
+                self.first_turns.wait()
+            with self.lock:
+                self.served.append(prompt)
+            usage = SimpleNamespace(prompt_tokens=prompt, completion_tokens=1,
+                                    prompt_tokens_details=SimpleNamespace(cached_tokens=len(self.served)))
+            return iter([_chunk("x"), _chunk(usage=usage)])
+
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+
+
+def _tiny_concurrent(conversations: int = 3, turns: int = 2) -> sessions.Session:
+    session = sessions.concurrent(sessions.Shape(context_chars=300, turns=turns), think_s=0.05,
+                                  conversations=conversations)
+    return session
+
+
+def test_conversations_are_served_at_once_and_recorded_in_the_sessions_step_order() -> None:
+    session = _tiny_concurrent()
+    server = OneServer(conversations=3)
+    statuses: list[int] = []
+
+    def read_status() -> dict:
+        statuses.append(1)
+        return {"process": {"tokens_recovered": len(statuses), "tokens_run": 10}}
+
+    run = ArmRun("sparse_recovery")
+    serve_concurrently(session, make_client=server.client, model="m", max_tokens=1, absent_cached_is_zero=False,
+                       read_status=read_status, progress=lambda line: None, tag="t", run=run)
+    assert [(r.conversation, r.turn) for r in run.steps] == [(s.conversation, s.turn) for s in session.steps]
+    assert [r.prompt_tokens for r in run.steps] == [sum(len(m["content"]) for m in s.messages) for s in session.steps]
+    assert all(r.sent_s is not None and r.done_s is not None and r.done_s >= r.sent_s for r in run.steps)
+    assert all(r.status is not None for r in run.steps)
+    assert run.final_status == {"tokens_recovered": len(session.steps) + 1, "tokens_run": 10, "debt": None,
+                                "slices": None, "budget_share_used": 0.0}
+    assert sorted(server.served) == sorted(r.prompt_tokens for r in run.steps)
+
+
+def test_a_failed_turn_stops_the_other_conversations_and_is_raised() -> None:
+    session = _tiny_concurrent(conversations=2, turns=3)
+    second_of_b = next(s for s in session.steps if s.conversation == "B" and s.turn == 2)
+    server = OneServer(conversations=2, fail_on=second_of_b.messages[-1]["content"])
+    run = ArmRun("sparse_on")
+    with pytest.raises(ConnectionError, match="went away"):
+        serve_concurrently(session, make_client=server.client, model="m", max_tokens=1, absent_cached_is_zero=False,
+                           read_status=None, progress=lambda line: None, tag="t", run=run)
+    assert run.steps == []  # nothing half-recorded is reported
+    assert len(server.served) < len(session.steps)
+
+
+def _record(step: int, conv: str, turn: int, prompt: int, ttft: float, sent: float, done: float) -> StepRecord:
+    return StepRecord(step, conv, turn, "", prompt, 0, ttft, ttft, 0.0, sent_s=sent, done_s=done)
+
+
+def test_the_best_reachable_of_a_concurrent_session_counts_only_time_with_no_request_in_flight() -> None:
+    """Dense rate 1,000 tokens/s (A's first turn; B's queued and is slower), budget 50 %.
+    A's turn 2 comes 20 s after its first answer, but B's first turn keeps the server busy
+    for 8 of them: 12 s idle re-read 6,000 tokens, short of A's 9,000, so it counts at
+    sparse on's time. B's turn 2 had 30 s, 29 of them idle: 14,500 tokens, enough."""
+    timings = [("A", 1, 9000, 0.0, 9.0), ("B", 1, 9000, 5.0, 17.0), ("A", 2, 9600, 29.0, 30.0),
+               ("B", 2, 9600, 47.0, 48.0)]
+    off_ttft = [9.0, 18.0, 1.0, 1.1]
+    on_ttft = [2.0, 4.0, 3.0, 3.2]
+    arms = {}
+    for arm, ttfts in (("sparse_off", off_ttft), ("sparse_on", on_ttft), ("sparse_recovery", on_ttft)):
+        run = ArmRun(arm)
+        for i, ((conv, turn, prompt, sent, done), ttft) in enumerate(zip(timings, ttfts)):
+            run.steps.append(_record(i + 1, conv, turn, prompt, ttft, sent, done))
+        arms[arm] = run
+    # Only the recovery arm's idle time counts: the others' records carry no times here.
+    for arm in ("sparse_off", "sparse_on"):
+        for rec in arms[arm].steps:
+            rec.sent_s = rec.done_s = None
+    best = best_reachable_steps(arms["sparse_off"], arms["sparse_on"], arms["sparse_recovery"], 50.0)
+    assert best == [2.0, 4.0, 3.0, 1.1]
+    result = SessionResult("concurrent", "test", arms, concurrent=True)
+    assert result.sums()["best_reachable"] == pytest.approx(10.1)
+
+
+def test_the_bench_takes_the_number_of_conversations() -> None:
+    from mlx_recovery_plugin.bench.server.cli import _config
+    from mlx_recovery_plugin.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "server", "--sessions", "concurrent", "--conversations", "4"])
+    assert _config(args, Path("/tmp/unused")).conversations == 4
+    args = build_parser().parse_args(["bench", "server", "--conversations", "0"])
+    with pytest.raises(ValueError, match="at least 1"):
+        _config(args, Path("/tmp/unused"))
+
+
+def test_two_conversations_at_once_on_the_real_server_are_both_recovered(tmp_path: Path) -> None:
+    from mlx_recovery_plugin.hosts.omlx.members import FLYTO_MLX
+
+    for module in (FLYTO_MLX.server_module, "openai", "uvicorn", "python_multipart", "psutil", "tabulate"):
+        pytest.importorskip(module, reason="CI installs the server's packages in .venv-omlx")
+    from mlx_recovery_plugin.bench.server.hosts import OMLX
+    from mlx_recovery_plugin.bench.server.models import write_models
+    from mlx_recovery_plugin.bench.server.run import BenchConfig, run_arm
+    from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
+
+    pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
+                        TinyModelSpec(arch="llama", num_layers=1, seed=7))
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always", host=OMLX)
+    session = sessions.concurrent(sessions.Shape(turns=2), think_s=12.0, conversations=2)
+    off = run_arm(config, pair, session, "sparse_off", tmp_path / "off", lambda line: None)
+    rec = run_arm(config, pair, session, "sparse_recovery", tmp_path / "rec", lambda line: None)
+
+    firsts = [s for s in rec.steps if s.turn == 1]
+    assert [s.cached_tokens for s in firsts] == [0, 0] and all(s.prompt_tokens > 8192 for s in firsts)
+    assert rec.sparse_requests is not None and rec.sparse_requests >= 2, "both first turns took the sparse route"
+    assert off.sparse_requests == 0
+    block = 256
+    for a, c in zip(off.steps, rec.steps):
+        if c.turn > 1:
+            assert abs(c.cached_tokens - a.cached_tokens) <= block, (off.steps, rec.steps)
+    assert rec.final_status is not None and rec.final_status["tokens_recovered"] >= 2 * (8192 - block)
+    for run in (off, rec):
+        assert not run.traceback_in_log, Path(run.log_path).read_text()[-3000:]
+    assert not process._live
