@@ -282,3 +282,72 @@ def test_a_sparse_turn_timed_under_load_does_not_make_a_quiet_machine_publish_wh
     # had half the machine, so about 1.5 s on the quiet one (taken as measured, 3 s would
     # make the dense append look a clear win).
     assert decision.verdict is not Verdict.PUBLISH, decision.reason
+
+
+def test_a_full_prefix_is_published_only_if_it_beats_the_cheapest_recent_sparse_turn_too() -> None:
+    """Attention-bound, as measured on the real server (512x8 target): the policy took the
+    latest sparse turn (a slow one, 8.2 s) at face value and published a dense append it
+    expected at 7.0 s; the turn took 7.4 s against sparse on's 6.5 s. An earlier sparse turn
+    of the same conversation had cost 5.5 s: a dense append must beat that one too."""
+    model = fitted(**ATTENTION_BOUND, contexts=(0, 2048, 4096, 6144, 8192, 8704))
+    dense = model.estimate(9800 - 9216, 9216)
+    assert dense is not None
+    args: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9800, threshold=8192, keep=0.2)
+    slow = SparseSample(9200, dense.mid / 0.8)  # the latest: the dense append looks like a 20 % win
+    cheap = SparseSample(9200, dense.mid * 0.95)  # an earlier one: the dense append loses
+    assert decide(model, **args, measured=slow).verdict is Verdict.PUBLISH
+    held = decide(model, **args, measured=slow, cheapest=cheap)
+    assert held.verdict is Verdict.HOLD and "not yet clear" in held.reason, held.reason
+    # A stand-down still weighs the latest turn: the cheap one alone does not stand it down.
+    assert held.verdict is not Verdict.STAND_DOWN
+    # Where the dense append wins by far, the cheapest turn changes nothing.
+    matmul = fitted(**MATMUL_BOUND, contexts=(0, 2048, 4096, 6144, 8192, 8704))
+    assert decide(matmul, **args, measured=SparseSample(9200, 5.0), cheapest=SparseSample(9200, 4.0)).verdict \
+        is Verdict.PUBLISH
+
+
+def test_the_judge_remembers_a_few_recent_sparse_turns_and_weighs_the_cheapest() -> None:
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+    from mlx_recovery_plugin.recovery.judge import RECENT_SPARSE
+    from mlx_recovery_plugin.recovery.machine_load import Regime
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(8704)), 8704)
+    for seconds in (2.0, 6.0, 7.0, 8.0):  # the cheap one falls out of the window
+        counters.advance(5.0, others=0.0)
+        judge.note_route(job, _sparse_turn(8704, seconds), appended=600, now=0.0)
+    route = judge._routes[job.job_id]
+    assert [s.seconds for s in route.recent[Regime.QUIET]] == [6.0, 7.0, 8.0][-RECENT_SPARSE:]
+    assert route.cheapest(Regime.QUIET).seconds == 6.0 and route.sparse[Regime.QUIET].seconds == 8.0
+    assert route.cheapest(Regime.BUSY) is None
+    # A route that became far slower (not noise: beyond NOISE_SPAN) is weighed by its latest turn.
+    counters.advance(5.0, others=0.0)
+    judge.note_route(job, _sparse_turn(8704, 60.0), appended=600, now=0.0)
+    assert route.cheapest(Regime.QUIET).seconds == 60.0
+
+
+def test_a_first_turn_counts_its_draft_reading_only_for_the_new_tokens_when_weighing_a_publication() -> None:
+    """oMLX scores the whole first prompt with its draft at the door (3.2 s of a 12.5 s
+    sparse turn, measured with a 2048x6 target) and keeps that reading: the conversation's
+    next sparse turn re-scores only what was appended (0.6 s). Taken whole, the first turn
+    overstates the rerun a publication has to beat."""
+    from mlx_recovery_plugin.events import SparseRouteServed
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+    from mlx_recovery_plugin.recovery.machine_load import Regime
+
+    first = SparseSample(8594, 12.5, door_s=3.2)
+    rerun = first.as_rerun(600)
+    assert rerun.seconds == pytest.approx(12.5 - 3.2 + 3.2 * 600 / 8594)
+    assert SparseSample(8594, 12.5).as_rerun(600).seconds == 12.5  # a host that says nothing: as measured
+    assert SparseSample(100, 1.0, door_s=5.0).as_rerun(600).seconds == pytest.approx(1.0)  # never below 0 or above
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(8594)), 8594)
+    event = SparseRouteServed("e", "r", "m", tuple(range(8594)), 0, 8594, threshold=8192, keep=0.2,
+                              prefill_s=12.5, door_s=3.2)
+    judge.note_route(job, event, appended=600, now=0.0)
+    route = judge._routes[job.job_id]
+    assert route.sparse[Regime.QUIET].seconds == 12.5  # a stand-down still weighs the turn as it was
+    assert route.cheapest(Regime.QUIET).seconds == pytest.approx(rerun.seconds)

@@ -153,6 +153,11 @@ def test_target_shapes_parse_and_bad_ones_are_refused() -> None:
     assert (narrow.num_heads, narrow.num_kv_heads, narrow.intermediate_size) == (4, 1, 2048)
     with pytest.raises(ValueError, match="heads must divide"):
         parse_target("1000x2x2048x16x4")
+    # Heads of their own width: the bench model's kind (attention cheap beside the products).
+    deep = parse_target("2048x6x8192x4x1x128")
+    assert dict(deep.extra) == {"head_dim": 128} and deep.num_heads * 128 == 512
+    from mlx_recovery_plugin.bench.server.models import spec_id
+    assert spec_id(deep) != spec_id(parse_target("2048x6x8192x4x1"))
 
 
 def _chunk(content: str | None = None, usage=None) -> SimpleNamespace:

@@ -56,7 +56,9 @@ class SparseRouteServed:
     ended when the request was admitted. What the host knows of its route, where it can
     tell: ``threshold``, the uncached tokens above which it takes the sparse route;
     ``keep``, the share of tokens the target prefills; ``prefill_s``, the seconds its sparse
-    prefill took, timed as :class:`RequestPrefilled` times it.
+    prefill took, timed as :class:`RequestPrefilled` times it; ``door_s``, the part of it
+    spent at the host's door before admission (oMLX scores the prompt with its draft
+    there, and keeps that reading for the conversation's next turn).
     Recovery uses them to judge whether publishing pays. ``keyed_beyond_tokens``: the
     host's cache keys this request's blocks by more than its tokens (an image's hash for
     a vision request, say), so a prefix recovered under the tokens alone would not be the
@@ -73,6 +75,7 @@ class SparseRouteServed:
     keep: float | None = None
     prefill_s: float | None = None
     keyed_beyond_tokens: bool = False
+    door_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.served_start <= self.served_end <= len(self.tokens):

@@ -75,6 +75,18 @@ class SparseSample:
     tokens: int
     seconds: float
     others_share: float | None = None
+    door_s: float | None = None  # of ``seconds``, the host's scoring at its door (see SparseRouteServed)
+
+    def as_rerun(self, appended: int) -> SparseSample:
+        """What the same turn would cost as a rerun that grew by ``appended`` tokens on a
+        host that keeps its door's reading of the prompt (oMLX's draft cache): the door's
+        share for the new tokens only. A lower bound of the rerun where the host keeps
+        nothing, so it may only ever hold a publication back."""
+        if not self.door_s or self.tokens <= 0:
+            return self
+        door = min(self.door_s, self.seconds)
+        share = min(1.0, max(0, appended) / self.tokens)
+        return SparseSample(self.tokens, self.seconds - door + door * share, self.others_share)
 
 
 class Source(str, Enum):
@@ -276,6 +288,7 @@ def decide(
     measured: SparseSample | None,
     margin: float = PAYS_MARGIN,
     measured_here: bool = True,
+    cheapest: SparseSample | None = None,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -284,7 +297,9 @@ def decide(
     sparse threshold on uncached tokens (None: unknown, so assume the next turn is
     prefilled densely over whatever is cached). ``measured_here``: ``measured`` was
     timed on the machine as it is now (not carried over from another load regime); a
-    stand-down needs it."""
+    stand-down needs it. ``cheapest``: the cheapest per token of the conversation's recent
+    sparse turns in this regime; a publication must beat the rerun it implies too, while a
+    stand-down weighs the latest (each errs on the side of leaving the host's route be)."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -296,14 +311,18 @@ def decide(
                         f"uncached > {threshold}); holding until {full_boundary}", may_spill=True)
     dense = model.estimate(uncached, boundary)
     sparse = sparse_rerun_seconds(model, next_tokens, keep, measured)
-    if dense is None or sparse is None:
+    # A publication is weighed against the cheapest recent rerun, a stand-down against
+    # the latest: each errs towards leaving the host's own route alone.
+    floor = sparse_rerun_seconds(model, next_tokens, keep, cheapest) if cheapest is not None else None
+    beat = sparse if sparse is None or floor is None else min(sparse, floor)
+    if dense is None or sparse is None or beat is None:
         if boundary >= full_boundary:
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")
         return Decision(Verdict.HOLD, "learning the dense cost before a partial prefix is published")
-    if dense.high <= margin * sparse:
+    if dense.high <= margin * beat:
         return Decision(
             Verdict.PUBLISH, f"dense append {dense.mid:.2f} s (at most {dense.high:.2f}) < sparse rerun "
-            f"{sparse:.2f} s", dense.mid, sparse,
+            f"{beat:.2f} s", dense.mid, beat,
         )
     full = model.estimate(max(0, next_tokens - full_boundary), full_boundary)
     assert full is not None  # fitted, as dense is
@@ -331,15 +350,15 @@ def decide(
         )
         return Decision(Verdict.HOLD, f"a {boundary}-token prefix {why}; holding until {full_boundary}",
                         dense.mid, sparse)
-    if dense.mid <= margin * sparse:
+    if dense.mid <= margin * beat:
         return Decision(
-            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s < sparse rerun {sparse:.2f} s",
-            dense.mid, sparse,
+            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s < sparse rerun {beat:.2f} s",
+            dense.mid, beat,
         )
     return Decision(
         Verdict.HOLD,
-        f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {sparse:.2f} s "
-        "is not yet clear either way; held for more evidence",
+        f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {beat:.2f} s "
+        f"(latest {sparse:.2f} s) is not yet clear either way; held for more evidence",
         dense.mid,
         sparse,
     )

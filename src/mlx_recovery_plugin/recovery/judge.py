@@ -35,6 +35,14 @@ from .machine_load import MachineLoad, Regime
 
 # The keep share assumed when the host does not say (oMLX's default).
 DEFAULT_KEEP = 0.2
+# Sparse turns remembered per conversation and load regime: a publication is weighed
+# against the cheapest of them, so one slow turn (a noisy machine, a first turn that read
+# the whole prompt with the draft) never talks the policy into a dense turn that loses.
+RECENT_SPARSE = 3
+# Recent sparse turns within this factor per token of the latest are one cost seen through
+# noise (turns of one conversation on this CPU differed by up to 1.4x); beyond it, the
+# route itself changed, and the latest turn speaks for it alone.
+NOISE_SPAN = 2.0
 # How soon a conversation is expected back: the chance it has not returned halves every
 # this many seconds (a production chat trace: median gap to the next turn 126 s, p90 480 s).
 RETURN_HALF_LIFE_S = 180.0
@@ -49,11 +57,35 @@ class RouteMemory:
     threshold: int | None = None
     keep: float | None = None
     sparse: dict[Regime, SparseSample] = field(default_factory=dict)
+    #: The last ``RECENT_SPARSE`` sparse turns in each regime, oldest first.
+    recent: dict[Regime, tuple[SparseSample, ...]] = field(default_factory=dict)
     last_append: int | None = None
     #: What the last publication expected the next dense turn to cost (seconds), if any.
     predicted_dense_s: float | None = None
     #: When the host last served the conversation (the service's clock).
     served_at: float | None = None
+
+    def remember(self, regime: Regime, sample: SparseSample) -> None:
+        """A sparse turn measured in ``regime``: the latest, and one of the recent."""
+        self.sparse[regime] = sample
+        self.recent[regime] = (*self.recent.get(regime, ())[-(RECENT_SPARSE - 1):], sample)
+
+    def cheapest(self, regime: Regime) -> SparseSample | None:
+        """Of the recent sparse turns in ``regime``, each as a rerun that grew by the last
+        append (:meth:`SparseSample.as_rerun`), the one cheapest per token among those
+        within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a route that
+        has since changed)."""
+        appended = self.last_append or DEFAULT_APPEND_TOKENS
+        samples = [x.as_rerun(appended) for x in self.recent.get(regime, ())]
+        if not samples:
+            return None
+
+        def per_token(x: SparseSample) -> float:
+            return x.seconds / max(1, x.tokens)
+
+        latest = samples[-1]
+        alike = [x for x in samples if per_token(latest) <= NOISE_SPAN * per_token(x)]
+        return min(alike, key=per_token)
 
 
 class PublishJudge:
@@ -92,9 +124,9 @@ class PublishJudge:
             route.keep = float(event.keep)
         regime = self._look()
         if event.prefill_s is not None and event.prefill_s > 0:
-            route.sparse[regime] = SparseSample(
-                len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share,
-            )
+            route.remember(regime, SparseSample(
+                len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share, event.door_s,
+            ))
         if appended is not None:
             route.last_append = appended
 
@@ -126,7 +158,7 @@ class PublishJudge:
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
-            route.sparse[regime] = SparseSample(uncached, event.prefill_s, self._load.last_share)
+            route.remember(regime, SparseSample(uncached, event.prefill_s, self._load.last_share))
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
@@ -175,6 +207,7 @@ class PublishJudge:
                 threshold=route.threshold,
                 keep=keep,
                 measured=self._sparse_sample(route, keep),
+                cheapest=route.cheapest(self.regime),
                 measured_here=self.regime in route.sparse,
             )
         self.last = decision

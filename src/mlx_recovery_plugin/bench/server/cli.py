@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens each turn generates (default 2); the answers are compared with sparse off's")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
-    p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN[xHEADSxKV]]", help="target shape (default: the bench target, "
+    p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN[xHEADSxKV[xHEAD_DIM]]]", help="target shape (default: the bench target, "
                    f"{DEFAULT_TARGET.hidden_size}x{DEFAULT_TARGET.num_layers}x{DEFAULT_TARGET.intermediate_size})")
     p.add_argument("--model-dir", metavar="DIR", help="serve an existing models directory instead (needs --target-id, --draft-id)")
     p.add_argument("--target-id", help="target model id (directory name) in --model-dir")

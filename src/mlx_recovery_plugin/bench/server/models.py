@@ -48,30 +48,36 @@ class ModelPair:
 
 def spec_id(spec: TinyModelSpec) -> str:
     """A directory name that differs for every shape (written models are reused by name)."""
+    head_dim = dict(spec.extra).get("head_dim")
     return (f"{spec.arch}-{spec.hidden_size}x{spec.num_layers}-ffn{spec.intermediate_size}"
-            f"-h{spec.num_heads}kv{spec.num_kv_heads}-s{spec.seed}")
+            f"-h{spec.num_heads}kv{spec.num_kv_heads}" + (f"d{head_dim}" if head_dim else "") + f"-s{spec.seed}")
 
 
 def parse_target(text: str, base: TinyModelSpec = DEFAULT_TARGET) -> TinyModelSpec:
-    """``HIDDENxLAYERS``, ``HIDDENxLAYERSxFFN`` or ``HIDDENxLAYERSxFFNxHEADSxKV`` (e.g.
-    ``512x8``, ``4096x1x14336``, ``1024x2x2048x4x1``); without them, heads are
-    ``hidden/64`` (query) and half that (key/value), at least 1."""
+    """``HIDDENxLAYERS``, ``HIDDENxLAYERSxFFN``, ``HIDDENxLAYERSxFFNxHEADSxKV`` or
+    ``HIDDENxLAYERSxFFNxHEADSxKVxHEAD_DIM`` (e.g. ``512x8``, ``4096x1x14336``,
+    ``1024x2x2048x4x1``, ``2048x6x8192x4x1x128``); without them, heads are ``hidden/64``
+    (query) and half that (key/value), at least 1, and a head is ``hidden/heads`` wide.
+    A head width of its own (as the bench model's 4 heads of 128 in 4,096) sets how much
+    attention costs beside the matrix products."""
     parts = text.lower().split("x")
     try:
         numbers = [int(p) for p in parts]
     except ValueError:
         numbers = []
-    if len(numbers) not in (2, 3, 5) or min(numbers) <= 0:
-        raise ValueError(f"target shape must be HIDDENxLAYERS[xFFN[xHEADSxKV]], e.g. 512x8; got {text!r}")
+    if len(numbers) not in (2, 3, 5, 6) or min(numbers) <= 0:
+        raise ValueError(f"target shape must be HIDDENxLAYERS[xFFN[xHEADSxKV[xHEAD_DIM]]], e.g. 512x8; got {text!r}")
     hidden, layers = numbers[0], numbers[1]
-    heads = numbers[3] if len(numbers) == 5 else max(1, hidden // 64)
-    kv = numbers[4] if len(numbers) == 5 else max(1, heads // 2)
-    if hidden % heads or heads % kv:
+    heads = numbers[3] if len(numbers) >= 5 else max(1, hidden // 64)
+    kv = numbers[4] if len(numbers) >= 5 else max(1, heads // 2)
+    head_dim = numbers[5] if len(numbers) == 6 else None
+    if (head_dim is None and hidden % heads) or heads % kv:
         raise ValueError(f"target shape {text!r}: heads must divide hidden and key/value heads divide heads")
     ffn = numbers[2] if len(numbers) >= 3 else max(2 * hidden, int(hidden * 2.75) // 64 * 64)
     return TinyModelSpec(
         arch=base.arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=kv, intermediate_size=ffn, seed=base.seed, dtype=base.dtype,
+        extra=(("head_dim", head_dim),) if head_dim else (),
     )
 
 

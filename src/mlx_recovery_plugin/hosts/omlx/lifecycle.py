@@ -147,6 +147,7 @@ class Lifecycle(EngineBook):
             keep=keep,
             prefill_s=prefill_s,
             keyed_beyond_tokens=bool(getattr(request, "vlm_extra_keys_for_cache", None)),
+            door_s=seen.door_s if seen is not None else None,
         )
 
     def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
