@@ -20,6 +20,7 @@ instead of printing ratios, which then compare dense with dense.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,25 +116,40 @@ def best_reachable_steps(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float
     on's before (see the module docstring)."""
     if not (len(off.steps) == len(on.steps) == len(rec.steps)):
         raise ValueError("arms served different numbers of steps")
-    if rec.steps and all(s.sent_s is not None and s.done_s is not None for s in rec.steps):
-        return _best_reachable_concurrent(off, on, rec, budget_pct)
-    rate: dict[str, float] = {}
-    idle: dict[str, float] = {}
+    idle_since, rate_of = _idle_and_rate(off, rec)
+    first: dict[str, int] = {}
     previous: dict[str, int] = {}
     out = []
-    for a, b, c in zip(off.steps, on.steps, rec.steps):
+    for index, (a, b) in enumerate(zip(off.steps, on.steps)):
         conv = a.conversation.rstrip("'")
-        if conv not in rate:
-            rate[conv] = a.prompt_tokens / max(a.ttft_s, 1e-9)
-            idle[conv] = 0.0
+        if conv not in first:
+            first[conv] = index
             out.append(b.ttft_s)
         else:
-            readable = rate[conv] * budget_pct / 100.0 * idle[conv]
+            readable = rate_of(first[conv]) * budget_pct / 100.0 * idle_since(first[conv], index)
             out.append(a.ttft_s if readable >= previous[conv] else b.ttft_s)
         previous[conv] = a.prompt_tokens
-        for k in idle:
-            idle[k] += c.idle_after_s
     return out
+
+
+def _idle_and_rate(
+    off: ArmRun, rec: ArmRun
+) -> tuple[Callable[[int, int], float], Callable[[int], float]]:
+    """How much idle time the recovery arm had from step ``first`` (a conversation's first
+    turn) to step ``index``, and the dense rate to re-read it at. Turns one after another:
+    the think times in between, at the rate of that conversation's sparse-off first turn.
+    A concurrent session (every step timed): the time no request was in flight, at the
+    fastest sparse-off first turn (the others queued)."""
+
+    def off_rate(i: int) -> float:
+        return off.steps[i].prompt_tokens / max(off.steps[i].ttft_s, 1e-9)
+
+    timed = [(s.sent_s, s.done_s) for s in rec.steps]
+    if rec.steps and all(sent is not None and done is not None for sent, done in timed):
+        busy = [(float(sent), float(done)) for sent, done in timed]  # type: ignore[arg-type]
+        fastest = max((off_rate(i) for i, a in enumerate(off.steps) if a.turn == 1 and not a.label), default=0.0)
+        return (lambda first, index: _idle_seconds(busy, busy[first][1], busy[index][0])), (lambda first: fastest)
+    return (lambda first, index: sum(s.idle_after_s for s in rec.steps[first:index])), off_rate
 
 
 def _idle_seconds(busy: list[tuple[float, float]], start: float, end: float) -> float:
@@ -145,25 +161,6 @@ def _idle_seconds(busy: list[tuple[float, float]], start: float, end: float) -> 
             covered += b - a
             cursor = b
     return max(0.0, end - start - covered)
-
-
-def _best_reachable_concurrent(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float) -> list[float]:
-    busy = [(float(s.sent_s), float(s.done_s)) for s in rec.steps]  # type: ignore[arg-type]
-    firsts = [a.prompt_tokens / max(a.ttft_s, 1e-9) for a in off.steps if a.turn == 1 and not a.label]
-    rate = max(firsts, default=0.0)
-    first_done: dict[str, float] = {}
-    previous: dict[str, int] = {}
-    out = []
-    for a, b, c in zip(off.steps, on.steps, rec.steps):
-        conv = a.conversation.rstrip("'")
-        if conv not in first_done:
-            first_done[conv] = float(c.done_s)  # type: ignore[arg-type]
-            out.append(b.ttft_s)
-        else:
-            idle = _idle_seconds(busy, first_done[conv], float(c.sent_s))  # type: ignore[arg-type]
-            out.append(a.ttft_s if rate * budget_pct / 100.0 * idle >= previous[conv] else b.ttft_s)
-        previous[conv] = a.prompt_tokens
-    return out
 
 
 @dataclass(slots=True)

@@ -145,13 +145,13 @@ def run_arm(
     run = ArmRun(arm=arm, log_path=str(spec.log_path))
     with ServerProcess(spec) as server:
         progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
-        client = make_client(server.base_url, api_key=spec.environment().get("FUSION_MLX_API_KEY", "unused"))
+        api_key = spec.environment().get("FUSION_MLX_API_KEY", "unused")
+        client = make_client(server.base_url, api_key=api_key)
         # Load the model (and the draft) before the clock runs: oMLX loads on first use.
         zero = config.host.omits_zero_cached
         send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1,
                   absent_cached_is_zero=zero)
         if session.concurrent:
-            api_key = spec.environment().get("FUSION_MLX_API_KEY", "unused")
             before = sparse_lines(config.host, server.log_text())
             serve_concurrently(
                 session, make_client=lambda: make_client(server.base_url, api_key=api_key), model=pair.target_id,
@@ -161,35 +161,43 @@ def run_arm(
             )
             after = sparse_lines(config.host, server.log_text())
             run.sparse_requests = None if before is None or after is None else after - before
-            run.traceback_in_log = "Traceback (most recent call last)" in server.log_text()
-            return run
-        for index, step in enumerate(session.steps):
-            seen = sparse_lines(config.host, server.log_text())
-            measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
-                                absent_cached_is_zero=zero)
-            sparse = None if seen is None else (sparse_lines(config.host, server.log_text()) or 0) > seen
-            last = index == len(session.steps) - 1
-            wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
-            progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
-                     f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
-                     f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
-                     + ("" if sparse is None else f" ({'sparse' if sparse else 'dense'})")
-                     + ("" if last else f"; idle {wait:g} s"))
-            if not last:
-                time.sleep(wait)
-            figures = None
-            if arm == "sparse_recovery":
-                figures = status_figures(_read_status(server))
-                progress(f"{tag}   plugin status{' before the next turn' if not last else ''}: "
-                         + ", ".join(f"{k} {v}" for k, v in figures.items()))
-            run.steps.append(StepRecord(
-                step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
-                prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
-                ttft_s=measure.ttft_s, total_s=measure.total_s, idle_after_s=0.0 if last else wait,
-                status=figures, sparse=sparse, answer=measure.text,
-            ))
+        else:
+            _serve_in_order(config, pair, session, arm, server, client, progress, tag, run)
         run.traceback_in_log = "Traceback (most recent call last)" in server.log_text()
     return run
+
+
+def _serve_in_order(
+    config: BenchConfig, pair: ModelPair, session: sessions_mod.Session, arm: str, server: ServerProcess,
+    client: Any, progress: Progress, tag: str, run: ArmRun,
+) -> None:
+    """One step after another on ``client``, each marked sparse or dense by the log."""
+    zero = config.host.omits_zero_cached
+    for index, step in enumerate(session.steps):
+        seen = sparse_lines(config.host, server.log_text())
+        measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
+                            absent_cached_is_zero=zero)
+        sparse = None if seen is None else (sparse_lines(config.host, server.log_text()) or 0) > seen
+        last = index == len(session.steps) - 1
+        wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
+        progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
+                 f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
+                 f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
+                 + ("" if sparse is None else f" ({'sparse' if sparse else 'dense'})")
+                 + ("" if last else f"; idle {wait:g} s"))
+        if not last:
+            time.sleep(wait)
+        figures = None
+        if arm == "sparse_recovery":
+            figures = status_figures(_read_status(server))
+            progress(f"{tag}   plugin status{' before the next turn' if not last else ''}: "
+                     + ", ".join(f"{k} {v}" for k, v in figures.items()))
+        run.steps.append(StepRecord(
+            step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
+            prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
+            ttft_s=measure.ttft_s, total_s=measure.total_s, idle_after_s=0.0 if last else wait,
+            status=figures, sparse=sparse, answer=measure.text,
+        ))
 
 
 def sparse_lines(host: ServerHost, log: str) -> int | None:
