@@ -220,10 +220,10 @@ def _judge_with(counters: Counters) -> Any:
     return PublishJudge(PublishPolicy.AUTO, 256, load=MachineLoad(counters))
 
 
-def _sparse_turn(tokens: int, seconds: float) -> Any:
+def _sparse_turn(tokens: int, seconds: float, request_id: str = "r") -> Any:
     from mlx_recovery_plugin.events import SparseRouteServed
 
-    return SparseRouteServed("e", "r", "m", tuple(range(tokens)), 0, tokens, threshold=8192, keep=0.2,
+    return SparseRouteServed("e", request_id, "m", tuple(range(tokens)), 0, tokens, threshold=8192, keep=0.2,
                              prefill_s=seconds)
 
 
@@ -314,16 +314,16 @@ def test_the_judge_remembers_a_few_recent_sparse_turns_and_weighs_the_cheapest()
     counters = Counters()
     judge = _judge_with(counters)
     job = RecoveryJob(1, tuple(range(8704)), 8704)
-    for seconds in (2.0, 6.0, 7.0, 8.0):  # the cheap one falls out of the window
+    for turn, seconds in enumerate((2.0, 6.0, 7.0, 8.0)):  # the cheap one falls out of the window
         counters.advance(5.0, others=0.0)
-        judge.note_route(job, _sparse_turn(8704, seconds), appended=600, now=0.0)
+        judge.note_route(job, _sparse_turn(8704, seconds, f"r{turn}"), appended=600, now=0.0)
     route = judge._routes[job.job_id]
     assert [s.seconds for s in route.recent[Regime.QUIET]] == [6.0, 7.0, 8.0][-RECENT_SPARSE:]
     assert route.cheapest(Regime.QUIET).seconds == 6.0 and route.sparse[Regime.QUIET].seconds == 8.0
     assert route.cheapest(Regime.BUSY) is None
     # A route that became far slower (not noise: beyond NOISE_SPAN) is weighed by its latest turn.
     counters.advance(5.0, others=0.0)
-    judge.note_route(job, _sparse_turn(8704, 60.0), appended=600, now=0.0)
+    judge.note_route(job, _sparse_turn(8704, 60.0, "r4"), appended=600, now=0.0)
     assert route.cheapest(Regime.QUIET).seconds == 60.0
 
 
@@ -351,3 +351,27 @@ def test_a_first_turn_counts_its_draft_reading_only_for_the_new_tokens_when_weig
     route = judge._routes[job.job_id]
     assert route.sparse[Regime.QUIET].seconds == 12.5  # a stand-down still weighs the turn as it was
     assert route.cheapest(Regime.QUIET).seconds == pytest.approx(rerun.seconds)
+
+
+def test_one_sparse_turn_told_by_both_hooks_is_one_recent_sample() -> None:
+    """oMLX reports a later sparse turn twice: ``request_prefilled`` at its first token,
+    then ``sparse_route_served`` (with the door's share) when it finishes. Counted twice,
+    the recent turns would cover half as many turns as they say."""
+    from mlx_recovery_plugin.events import RequestPrefilled, Route, SparseRouteServed
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+    from mlx_recovery_plugin.recovery.machine_load import Regime
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(8594)), 8594)
+    for turn, seconds in enumerate((12.0, 9.0, 10.0, 11.0)):
+        counters.advance(5.0, others=0.0)
+        tokens = tuple(range(8594 + 600 * turn))
+        rid = f"r{turn}"
+        if turn:
+            judge.observe_turn(job, RequestPrefilled("e", rid, "m", tokens, 0, Route.SPARSE, seconds))
+        judge.note_route(job, SparseRouteServed("e", rid, "m", tokens, 0, len(tokens), threshold=8192, keep=0.2,
+                                                prefill_s=seconds, door_s=0.5), appended=600, now=0.0)
+    recent = judge._routes[job.job_id].recent[Regime.QUIET]
+    assert [(s.request_id, s.seconds, s.door_s) for s in recent] == [("r1", 9.0, 0.5), ("r2", 10.0, 0.5),
+                                                                   ("r3", 11.0, 0.5)]

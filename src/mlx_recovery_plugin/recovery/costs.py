@@ -76,6 +76,7 @@ class SparseSample:
     seconds: float
     others_share: float | None = None
     door_s: float | None = None  # of ``seconds``, the host's scoring at its door (see SparseRouteServed)
+    request_id: str | None = None  # the host's request: one turn reported by two hooks is one sample
 
     def as_rerun(self, appended: int) -> SparseSample:
         """What the same turn would cost as a rerun that grew by ``appended`` tokens on a
@@ -86,7 +87,8 @@ class SparseSample:
             return self
         door = min(self.door_s, self.seconds)
         share = min(1.0, max(0, appended) / self.tokens)
-        return SparseSample(self.tokens, self.seconds - door + door * share, self.others_share)
+        return SparseSample(self.tokens, self.seconds - door + door * share, self.others_share,
+                            request_id=self.request_id)
 
 
 class Source(str, Enum):

@@ -66,9 +66,14 @@ class RouteMemory:
     served_at: float | None = None
 
     def remember(self, regime: Regime, sample: SparseSample) -> None:
-        """A sparse turn measured in ``regime``: the latest, and one of the recent."""
+        """A sparse turn measured in ``regime``: the latest, and one of the recent. The
+        same request told twice (``request_prefilled`` at its first token, then
+        ``sparse_route_served`` with the door's share) replaces its first sample."""
         self.sparse[regime] = sample
-        self.recent[regime] = (*self.recent.get(regime, ())[-(RECENT_SPARSE - 1):], sample)
+        recent = self.recent.get(regime, ())
+        if recent and sample.request_id is not None and recent[-1].request_id == sample.request_id:
+            recent = recent[:-1]
+        self.recent[regime] = (*recent[-(RECENT_SPARSE - 1):], sample)
 
     def cheapest(self, regime: Regime) -> SparseSample | None:
         """Of the recent sparse turns in ``regime``, each as a rerun that grew by the last
@@ -126,6 +131,7 @@ class PublishJudge:
         if event.prefill_s is not None and event.prefill_s > 0:
             route.remember(regime, SparseSample(
                 len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share, event.door_s,
+                event.request_id,
             ))
         if appended is not None:
             route.last_append = appended
@@ -158,7 +164,8 @@ class PublishJudge:
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
-            route.remember(regime, SparseSample(uncached, event.prefill_s, self._load.last_share))
+            route.remember(regime, SparseSample(uncached, event.prefill_s, self._load.last_share,
+                                                request_id=event.request_id))
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
