@@ -21,7 +21,8 @@ def test_a_concurrent_session_staggers_its_conversations_and_lists_steps_by_send
     session = sessions.build("concurrent", shape, think_s=30.0, conversations=3)
     assert session.concurrent
     assert [s.conversation for s in session.steps if s.turn == 1] == ["A", "B", "C"]
-    assert {s.conversation: s.start_s for s in session.steps} == {"A": 0.0, "B": 10.0, "C": 20.0}
+    starts = {s.conversation: s.start_s for s in session.steps}
+    assert starts["A"] == 0.0 and 7.5 <= starts["B"] <= 12.5 and 17.5 <= starts["C"] <= 22.5
     for name in "ABC":
         own = [s for s in session.steps if s.conversation == name]
         assert [s.turn for s in own] == [1, 2, 3]
@@ -32,6 +33,23 @@ def test_a_concurrent_session_staggers_its_conversations_and_lists_steps_by_send
     assert len({s.messages[1]["content"] for s in session.steps if s.turn == 1}) == 3
     with pytest.raises(ValueError, match="at least one"):
         sessions.concurrent(shape, 30.0, conversations=0)
+
+
+def _schedule(session: sessions.Session) -> list[tuple[str, int, float, float]]:
+    return [(s.conversation, s.turn, s.start_s, s.think_s) for s in session.steps]
+
+
+def test_another_seed_is_another_schedule_of_the_same_conversations() -> None:
+    shape = sessions.Shape(context_chars=500, turns=3)
+    first = sessions.build("concurrent", shape, 30.0, 3, seed=11)
+    assert _schedule(sessions.build("concurrent", shape, 30.0, 3, seed=11)) == _schedule(first)
+    other = sessions.build("concurrent", shape, 30.0, 3, seed=12)
+    assert _schedule(other) != _schedule(first)
+    assert {s.start_s for s in other.steps if s.conversation == "B"} != {s.start_s for s in first.steps
+                                                                         if s.conversation == "B"}
+    # Same prompts, turn for turn: only the timing differs.
+    key = lambda session: sorted((s.conversation, s.turn, s.messages) for s in session.steps)  # noqa: E731
+    assert key(other) == key(first)
 
 
 def _chunk(text: str | None = None, usage=None) -> SimpleNamespace:
@@ -134,6 +152,38 @@ def test_the_best_reachable_of_a_concurrent_session_counts_only_time_with_no_req
     assert result.sums()["best_reachable"] == pytest.approx(10.1)
 
 
+def test_an_unqueued_dense_rate_lets_the_best_reachable_count_turns_the_queued_rate_would_not() -> None:
+    """Sparse off's first turns queued behind each other (9,000 tokens in 18 s and 27 s: at
+    most 500 tokens/s); with the balance's unqueued rate of 2,000 tokens/s, A's 12 idle
+    seconds at 50 % re-read 12,000 tokens, enough for its 9,000."""
+    timings = [("A", 1, 9000, 0.0, 9.0), ("B", 1, 9000, 5.0, 17.0), ("A", 2, 9600, 29.0, 30.0)]
+    arms = {}
+    for arm, ttfts in (("sparse_off", [18.0, 27.0, 1.0]), ("sparse_on", [2.0, 4.0, 3.0]),
+                       ("sparse_recovery", [2.0, 4.0, 3.0])):
+        run = ArmRun(arm)
+        for i, ((conv, turn, prompt, sent, done), ttft) in enumerate(zip(timings, ttfts)):
+            run.steps.append(_record(i + 1, conv, turn, prompt, ttft, sent, done))
+        arms[arm] = run
+    queued = best_reachable_steps(arms["sparse_off"], arms["sparse_on"], arms["sparse_recovery"], 50.0)
+    assert queued == [2.0, 4.0, 3.0]
+    unqueued = best_reachable_steps(arms["sparse_off"], arms["sparse_on"], arms["sparse_recovery"], 50.0,
+                                    dense_rate=2000.0)
+    assert unqueued == [2.0, 4.0, 1.0]
+    result = SessionResult("concurrent", "test", arms, concurrent=True, dense_rate=2000.0)
+    assert result.sums()["best_reachable"] == pytest.approx(7.0)
+
+
+def test_the_dense_rate_from_the_balance_falls_with_the_prompts_length() -> None:
+    from mlx_recovery_plugin.bench.server.run import dense_rate
+
+    flat = {"chunk": 256, "context": 8192, "short_s": 0.256, "long_s": 0.256}  # 1 ms a token at any context
+    assert dense_rate(flat, 4096) == pytest.approx(1000.0)
+    steep = {"chunk": 256, "context": 8192, "short_s": 0.256, "long_s": 0.512}  # 2 ms a token at 8,192
+    assert dense_rate(steep, 8192) == pytest.approx(8192 / (8.192 + 8.192 / 2))
+    assert dense_rate(steep, 8192) < dense_rate(steep, 1024) < 1000.0
+    assert dense_rate(None, 8192) is None and dense_rate(flat, 0) is None
+
+
 def test_the_bench_takes_the_number_of_conversations() -> None:
     from mlx_recovery_plugin.bench.server.cli import _config
     from mlx_recovery_plugin.cli import build_parser
@@ -171,6 +221,8 @@ def test_two_conversations_at_once_on_the_real_server_are_both_recovered(tmp_pat
         if c.turn > 1:
             assert abs(c.cached_tokens - a.cached_tokens) <= block, (off.steps, rec.steps)
     assert rec.final_status is not None and rec.final_status["tokens_recovered"] >= 2 * (8192 - block)
+    # The host's own sparse-route seconds, read from its log: none with the route off.
+    assert off.host_sparse_s == 0.0 and rec.host_sparse_s is not None and rec.host_sparse_s > 0.0
     for run in (off, rec):
         assert not run.traceback_in_log, Path(run.log_path).read_text()[-3000:]
     assert not process._live

@@ -40,6 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 5; --quick 3)")
     p.add_argument("--conversations", type=int, default=None,
                    help=f"conversations of the concurrent session, each on its own schedule (default {DEFAULT_CONVERSATIONS})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="serve sparse on and sparse on + recovery this many times per session, alternating which "
+                   "goes first, each concurrent repeat on another schedule; the ratios' median and range are "
+                   "reported (sparse off runs once; default 1)")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="tokens of each conversation's long first user message, in the target's tokens (default 8500)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -102,6 +106,10 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         if args.conversations < 1:
             raise ValueError(f"--conversations must be at least 1; got {args.conversations}")
         config.conversations = args.conversations
+    if getattr(args, "repeats", None) is not None:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
+        config.repeats = args.repeats
     if getattr(args, "max_tokens", None) is not None:
         config.max_tokens = args.max_tokens
     return config

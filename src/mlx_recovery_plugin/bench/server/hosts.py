@@ -15,6 +15,7 @@ on or off, and its environment. Data, as far as possible; one entry per host.
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,12 @@ class ServerHost:
     #: A line the server logs for each request its sparse route serves (a regular
     #: expression): how the bench tells a sparse turn from a dense one; "" = cannot tell.
     sparse_log_pattern: str = r"SpecPrefill: sparse prefill"
+    #: Lines that give the seconds the sparse route spent on a request, the seconds as
+    #: their one group (oMLX's SpecPrefill: the draft's scoring, then the sparse prefill);
+    #: "" = the log does not say.
+    sparse_seconds_pattern: str = (
+        r"SpecPrefill: (?:scored \d+ tokens|sparse prefill \S+ conv tokens) in ([0-9.]+)s"
+    )
     #: Whether the sparse route needs a draft model (PFlash scores tokens by statistics).
     needs_draft: bool = True
 
@@ -58,6 +65,13 @@ class ServerHost:
         if self.name == "rapid":
             return f"PFlash applies above {self.pflash_threshold:,} uncached tokens (--pflash-threshold)"
         return "SpecPrefill applies above 8,192 uncached tokens of the non-system part over HTTP"
+
+
+def sparse_seconds(host: ServerHost, log: str) -> float | None:
+    """Seconds the host's log says its sparse route spent, summed (None: cannot tell)."""
+    if not host.sparse_seconds_pattern:
+        return None
+    return sum(float(x) for x in re.findall(host.sparse_seconds_pattern, log))
 
 
 def family_host(member: Member) -> ServerHost:
@@ -73,6 +87,7 @@ FUSION = family_host(FUSION_MLX)
 RAPID = ServerHost(
     "rapid", "rapid-mlx", "rapid-mlx", "rapid-mlx", admin_route=False, env={"RAPID_MLX_TELEMETRY": "0"},
     omits_zero_cached=True, sparse_log_pattern=r"\[pflash\] request=\S+ compressed ", needs_draft=False,
+    sparse_seconds_pattern="",
 )
 HOSTS = {host.name: host for host in (OMLX, FUSION, RAPID)}
 

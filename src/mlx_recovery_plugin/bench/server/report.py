@@ -9,8 +9,10 @@ time since the conversation's first turn covers the conversation's previous prom
 at sparse on's time before that (per conversation, as if it had the idle time alone). In
 a concurrent session the idle time is the recovery arm's own: the time since the
 conversation's first answer during which no request was in flight, and the dense rate is
-the fastest of sparse off's first turns (the others queued). A figure that is missing is
-an error.
+the unqueued one the cost balance measured on the target alone (a dense prefill of the
+conversation's first prompt; before the balance is in, the fastest of sparse off's first
+turns, which queued behind each other and so is a lower bound). A figure that is missing
+is an error.
 
 Whether a turn was served sparse is read from the server's log (the line its sparse
 route writes per request); where no turn of the sparse-on arm was, the report says so
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ...demo.report import ARM_TITLES, ARMS
+from .repeats import RepeatPair, repeat_lines, repeats_summary
 
 ORACLE = "oracle"
 BEST = "best_reachable"
@@ -60,6 +63,7 @@ class ArmRun:
     traceback_in_log: bool = False
     final_status: dict[str, Any] | None = None  # concurrent recovery arm: the status once every turn was served
     sparse_requests: int | None = None  # concurrent: requests the sparse route served (log lines)
+    host_sparse_s: float | None = None  # seconds the host's log says its sparse route took (None: cannot tell)
 
     @property
     def end_status(self) -> dict[str, Any] | None:
@@ -110,13 +114,16 @@ def oracle_steps(off: ArmRun, on: ArmRun) -> list[float]:
     return [b.ttft_s if a.turn == 1 and not a.label else a.ttft_s for a, b in zip(off.steps, on.steps)]
 
 
-def best_reachable_steps(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float) -> list[float]:
+def best_reachable_steps(
+    off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float, dense_rate: float | None = None,
+) -> list[float]:
     """Per step: the oracle's time once recovery could have re-read the conversation's
     previous prompt in the idle time the recovery arm had since its first turn, sparse
-    on's before (see the module docstring)."""
+    on's before (see the module docstring). ``dense_rate``: tokens a second of an
+    unqueued dense prefill, for a concurrent session."""
     if not (len(off.steps) == len(on.steps) == len(rec.steps)):
         raise ValueError("arms served different numbers of steps")
-    idle_since, rate_of = _idle_and_rate(off, rec)
+    idle_since, rate_of = _idle_and_rate(off, rec, dense_rate)
     first: dict[str, int] = {}
     previous: dict[str, int] = {}
     out = []
@@ -133,13 +140,13 @@ def best_reachable_steps(off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float
 
 
 def _idle_and_rate(
-    off: ArmRun, rec: ArmRun
+    off: ArmRun, rec: ArmRun, dense_rate: float | None = None,
 ) -> tuple[Callable[[int, int], float], Callable[[int], float]]:
     """How much idle time the recovery arm had from step ``first`` (a conversation's first
     turn) to step ``index``, and the dense rate to re-read it at. Turns one after another:
     the think times in between, at the rate of that conversation's sparse-off first turn.
-    A concurrent session (every step timed): the time no request was in flight, at the
-    fastest sparse-off first turn (the others queued)."""
+    A concurrent session (every step timed): the time no request was in flight, at
+    ``dense_rate`` if given, else the fastest sparse-off first turn (the others queued)."""
 
     def off_rate(i: int) -> float:
         return off.steps[i].prompt_tokens / max(off.steps[i].ttft_s, 1e-9)
@@ -148,6 +155,8 @@ def _idle_and_rate(
     if rec.steps and all(sent is not None and done is not None for sent, done in timed):
         busy = [(float(sent), float(done)) for sent, done in timed]  # type: ignore[arg-type]
         fastest = max((off_rate(i) for i, a in enumerate(off.steps) if a.turn == 1 and not a.label), default=0.0)
+        if dense_rate is not None:
+            fastest = dense_rate
         return (lambda first, index: _idle_seconds(busy, busy[first][1], busy[index][0])), (lambda first: fastest)
     return (lambda first, index: sum(s.idle_after_s for s in rec.steps[first:index])), off_rate
 
@@ -173,12 +182,15 @@ class SessionResult:
     def sums(self) -> dict[str, float]:
         out = {arm: self.arms[arm].ttft_sum for arm in ARMS}
         out[ORACLE] = sum(oracle_steps(self.arms["sparse_off"], self.arms["sparse_on"]))
-        out[BEST] = sum(best_reachable_steps(*(self.arms[a] for a in ARMS), self.budget_pct))
+        out[BEST] = sum(best_reachable_steps(*(self.arms[a] for a in ARMS), self.budget_pct, self.dense_rate))
         return out
 
     token_sizes: dict[str, Any] | None = None  # sessions.TokenSizes as measured with the target's tokenizer
     sparse_hint: str = ""  # when the host's sparse route applies, for the note where it never did
     concurrent: bool = False  # conversations on their own schedules, every arm in real time
+    # Concurrent: tokens a second of an unqueued dense prefill (from the cost balance).
+    dense_rate: float | None = None
+    repeats: list[RepeatPair] = field(default_factory=list)  # --repeats: every pair, the first included
 
     def sparse_steps(self, arm: str) -> int | None:
         """Steps of ``arm`` its server served sparse; None where the log could not tell."""
@@ -265,6 +277,7 @@ class BenchReport:
 
     def tracebacks(self) -> list[str]:
         runs = [a for s in self.sessions for a in s.arms.values()]
+        runs += [r for s in self.sessions for p in s.repeats for r in (p.sparse_on, p.sparse_recovery)]
         runs += [r for p in self.curve for r in (p.sparse_off, p.sparse_on, p.sparse_recovery)]
         return [r.log_path for r in runs if r.traceback_in_log]
 
@@ -272,7 +285,8 @@ class BenchReport:
         out = asdict(self)
         out["summary"] = {
             s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(), "committed_share": s.committed_share()}
-            | _route_summary(s)
+            | _route_summary(s) | {"host_sparse_s": {arm: s.arms[arm].host_sparse_s for arm in ARMS},
+                                   "repeats": repeats_summary(s.repeats)}
             for s in self.sessions
         }
         out["curve_benefit_vs_on_s"] = {f"{p.think_s:g}": p.benefit_vs_on() for p in self.curve}
@@ -340,6 +354,10 @@ def format_session(result: SessionResult) -> list[str]:
         "sum of TTFT: " + ", ".join(f"{ARM_TITLES.get(k, k)} {v:.2f} s" for k, v in sums.items())
     )
     lines.extend(route_lines(result))
+    if on.host_sparse_s and rec.host_sparse_s is not None:
+        lines.append(f"the host's own sparse-route seconds (its log: scoring and sparse prefill): sparse on "
+                     f"{on.host_sparse_s:.2f} s, on + recovery {rec.host_sparse_s:.2f} s "
+                     f"({rec.host_sparse_s / on.host_sparse_s:.2f}x)")
     r = sums["sparse_recovery"]
     if note:
         lines.append("no ratios: the sparse route never applied (see above)")
@@ -358,6 +376,7 @@ def format_session(result: SessionResult) -> list[str]:
         slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
         if slow:
             lines.append(f"steps where recovery took over 1.1x sparse on: {', '.join(map(str, slow))}")
+    lines.extend(repeat_lines(result.repeats))
     if rec.end_status:
         lines.append("plugin status at the end: " + ", ".join(f"{k} {v}" for k, v in rec.end_status.items()))
     return lines

@@ -36,7 +36,7 @@ from ...testing.tiny_model import TinyModelSpec
 from . import sessions as sessions_mod
 from .client import make_client, send_turn
 from .concurrent import serve_concurrently
-from .hosts import OMLX, ServerHost, arm_env
+from .hosts import OMLX, ServerHost, arm_env, sparse_seconds
 from .models import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -47,6 +47,7 @@ from .models import (
     write_models,
 )
 from .process import PluginNotAttachedError, ServerProcess, ServerSpec
+from .repeats import RepeatPair
 from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, status_figures
 
 Progress = Callable[[str], None]
@@ -71,6 +72,8 @@ class BenchConfig:
     publish_policy: str | None = None  # MLX_RECOVERY_PUBLISH_POLICY for the recovery arm
     extra_env: dict[str, str] = field(default_factory=dict)
     balance_repeats: int = 3
+    # Pairs of sparse on / sparse on + recovery per session (sparse off once): --repeats.
+    repeats: int = 1
     start_timeout_s: float = 180.0
     host: ServerHost = OMLX  # which server serves (an oMLX-family member, or rapid-mlx)
 
@@ -151,6 +154,7 @@ def run_arm(
         zero = config.host.omits_zero_cached
         send_turn(client, pair.target_id, [{"role": "user", "content": "warm up"}], max_tokens=1,
                   absent_cached_is_zero=zero)
+        host_before = sparse_seconds(config.host, server.log_text())
         if session.concurrent:
             before = sparse_lines(config.host, server.log_text())
             serve_concurrently(
@@ -163,7 +167,11 @@ def run_arm(
             run.sparse_requests = None if before is None or after is None else after - before
         else:
             _serve_in_order(config, pair, session, arm, server, client, progress, tag, run)
-        run.traceback_in_log = "Traceback (most recent call last)" in server.log_text()
+        log = server.log_text()
+        host_after = sparse_seconds(config.host, log)
+        if host_before is not None and host_after is not None:
+            run.host_sparse_s = round(host_after - host_before, 3)
+        run.traceback_in_log = "Traceback (most recent call last)" in log
     return run
 
 
@@ -305,11 +313,51 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         result = SessionResult(name=name, description=session.description, budget_pct=config.budget_pct,
                                token_sizes=dataclasses.asdict(sizes) | {"describe": sizes.describe()},
                                sparse_hint=config.host.sparse_hint(), concurrent=session.concurrent)
-        for arm in ("sparse_off", "sparse_on", "sparse_recovery"):
-            result.arms[arm] = run_arm(config, pair, session, arm, config.workdir / "runs" / f"{name}-{arm}", progress)
+        _serve_arms(config, pair, name, session, result, progress)
         report.sessions.append(result)
     report.balance = _balance(config, pair, report.longest_prompt(), progress)
+    for result in report.sessions:
+        if result.concurrent:
+            first = min(result.token_sizes["first_turns"]) if result.token_sizes else 0
+            result.dense_rate = dense_rate(report.balance, first)
     return report
+
+
+def _serve_arms(
+    config: BenchConfig, pair: ModelPair, name: str, session: sessions_mod.Session, result: SessionResult,
+    progress: Progress,
+) -> None:
+    """Sparse off once, then ``config.repeats`` pairs of sparse on and sparse on +
+    recovery, alternating which goes first, each concurrent repeat on the next schedule
+    seed (:mod:`.repeats`). The first pair is the session's arms."""
+    root = config.workdir / "runs"
+    result.arms["sparse_off"] = run_arm(config, pair, session, "sparse_off", root / f"{name}-sparse_off", progress)
+    for r in range(config.repeats):
+        seed = sessions_mod.DEFAULT_SEED + r
+        served = session if r == 0 else sessions_mod.build(name, config.shape, config.think_s,
+                                                           config.conversations, seed)
+        order = ("sparse_on", "sparse_recovery") if r % 2 == 0 else ("sparse_recovery", "sparse_on")
+        if config.repeats > 1:
+            progress(f"[{name}] repeat {r + 1}/{config.repeats} (schedule seed {seed}, {order[0].replace('_', ' ')} first)")
+        runs = {arm: run_arm(config, pair, served, arm, root / (f"{name}-{arm}" + (f"-r{r + 1}" if r else "")), progress)
+                for arm in order}
+        if r == 0:
+            result.arms.update(runs)
+        result.repeats.append(RepeatPair(seed, order[0], runs["sparse_on"], runs["sparse_recovery"]))
+    if config.repeats == 1:
+        result.repeats.clear()  # one pair is the session itself, not a repeat
+
+
+def dense_rate(balance: dict[str, Any] | None, prompt: int) -> float | None:
+    """Tokens a second of a dense prefill of ``prompt`` tokens on an empty cache, from the
+    cost balance (a pass's cost taken as linear in its context between the balance's two
+    points): the rate recovery's slices could reach with the machine to themselves."""
+    if not balance or prompt <= 0:
+        return None
+    chunk, context = float(balance["chunk"]), float(balance["context"])
+    short, slope = balance["short_s"] / chunk, (balance["long_s"] - balance["short_s"]) / chunk / max(context, 1.0)
+    seconds = prompt * short + slope * prompt * prompt / 2.0
+    return prompt / seconds if seconds > 0 else None
 
 
 def run_curve(config: BenchConfig, pair: ModelPair, progress: Progress) -> list[CurvePoint]:

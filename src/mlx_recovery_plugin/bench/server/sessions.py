@@ -32,6 +32,10 @@ SESSION_NAMES = ("agent", "interleaved", "concurrent", "fork", "gaps", "curve")
 DEFAULT_CONVERSATIONS = 3
 # A concurrent session's think times vary by this factor either way around think_s (seeded).
 THINK_SPREAD = 0.5
+# Its later conversations start this share of the stagger early or late (seeded): where a
+# first turn takes about the stagger, whether the next arrives during it decides the queue.
+START_SPREAD = 0.25
+DEFAULT_SEED = 11
 DEFAULT_CURVE = (5.0, 10.0, 20.0, 40.0)
 GAP_S = 2.0
 # Characters of each kind of text measured to find the tokenizer's chars per token.
@@ -125,28 +129,34 @@ def interleaved(shape: Shape, think_s: float) -> Session:
     return session
 
 
-def concurrent(shape: Shape, think_s: float, conversations: int = DEFAULT_CONVERSATIONS, seed: int = 11) -> Session:
-    """``conversations`` agents at once: each starts ``think_s / conversations`` after the
-    previous one and thinks ``think_s`` times a seeded factor in ``1 +- THINK_SPREAD``
-    between its turns. Steps are listed by their nominal send time (service time not
-    counted); what overlaps depends on how long the server takes."""
+def concurrent(shape: Shape, think_s: float, conversations: int = DEFAULT_CONVERSATIONS,
+               seed: int = DEFAULT_SEED) -> Session:
+    """``conversations`` agents at once: each starts about ``think_s / conversations`` after
+    the previous one (``1 +- START_SPREAD`` of that stagger, seeded; the first at 0) and
+    thinks ``think_s`` times a seeded factor in ``1 +- THINK_SPREAD`` between its turns.
+    Steps are listed by their nominal send time (service time not counted); what overlaps
+    depends on how long the server takes. Another ``seed``, another schedule of the same
+    conversations."""
     if conversations < 1:
         raise ValueError(f"a concurrent session needs at least one conversation; got {conversations}")
     rng = random.Random(seed)
+    starts = random.Random(seed + 1000)  # apart, so a seed's think times stay what they were
     stagger = think_s / conversations
     planned: list[tuple[float, int, Step]] = []
     for c in range(conversations):
         name = chr(ord("A") + c) if c < 26 else f"C{c + 1}"
         conv = Conversation(shape, seed=100 + c)
-        at = c * stagger
+        start = 0.0 if c == 0 else round(stagger * (c + starts.uniform(-START_SPREAD, START_SPREAD)), 2)
+        at = start
         for t in range(shape.turns):
             last = t == shape.turns - 1
             think = 0.0 if last else think_s * rng.uniform(1 - THINK_SPREAD, 1 + THINK_SPREAD)
-            planned.append((at, c, Step(name, t + 1, conv.next_turn(), round(think, 2), start_s=c * stagger)))
+            planned.append((at, c, Step(name, t + 1, conv.next_turn(), round(think, 2), start_s=start)))
             at += think
     planned.sort(key=lambda x: (x[0], x[1]))
     return Session("concurrent", f"{conversations} conversations at once, {shape.turns} turns each, starts "
-                   f"{stagger:g} s apart, think time {think_s:g} s +-{THINK_SPREAD:.0%} (seeded)",
+                   f"about {stagger:g} s apart (+-{START_SPREAD:.0%}), think time {think_s:g} s "
+                   f"+-{THINK_SPREAD:.0%} (schedule seed {seed})",
                    [step for _, _, step in planned], concurrent=True)
 
 
@@ -167,14 +177,16 @@ def gaps(shape: Shape, gap_s: float = GAP_S) -> Session:
     return session
 
 
-def build(name: str, shape: Shape, think_s: float, conversations: int = DEFAULT_CONVERSATIONS) -> Session:
-    """One named session (``curve`` is built per think time by the runner with ``agent``)."""
+def build(name: str, shape: Shape, think_s: float, conversations: int = DEFAULT_CONVERSATIONS,
+          seed: int = DEFAULT_SEED) -> Session:
+    """One named session (``curve`` is built per think time by the runner with ``agent``);
+    ``seed``: the concurrent session's schedule (the others have one schedule)."""
     if name == "agent":
         return agent(shape, think_s)
     if name == "interleaved":
         return interleaved(shape, think_s)
     if name == "concurrent":
-        return concurrent(shape, think_s, conversations)
+        return concurrent(shape, think_s, conversations, seed)
     if name == "fork":
         return fork(shape, think_s)
     if name == "gaps":

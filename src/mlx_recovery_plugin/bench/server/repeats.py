@@ -1,0 +1,109 @@
+"""Repeats of a session: sparse on and sparse on + recovery served again, side by side.
+
+One run per arm cannot tell recovery's effect from the machine's drift or, in a
+concurrent session, from which turn happened to queue behind which: a first turn a
+second slower can let the next conversation's turn in ahead of its own first token and
+double both. ``--repeats K`` serves the pair K times, alternating which arm goes first,
+each concurrent repeat on another seeded schedule (the same schedule for both arms of a
+pair), and reports each pair's ratio of summed time to first token with their median and
+range. Beside it, the seconds the host itself spent in its sparse route (its log: the
+draft's scoring and the sparse prefill) tell the host's own work from waiting: a ratio of
+host seconds near 1 with a ratio of TTFT far from it is queueing, not slower prefill.
+
+Sparse off runs once per session (the first schedule): it is the baseline of the oracle
+and the best reachable, not part of the pair's comparison.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .report import ArmRun
+
+
+@dataclass(slots=True)
+class RepeatPair:
+    """One repeat: both arms on schedule ``seed``; ``first``: the arm served first."""
+
+    seed: int
+    first: str
+    sparse_on: ArmRun
+    sparse_recovery: ArmRun
+
+    def ratio(self) -> float:
+        """Recovery's summed time to first token over sparse on's."""
+        return self.sparse_recovery.ttft_sum / max(self.sparse_on.ttft_sum, 1e-9)
+
+    def host_sparse_ratio(self) -> float | None:
+        """Recovery's host sparse-route seconds over sparse on's (None: the log cannot tell)."""
+        on, rec = self.sparse_on.host_sparse_s, self.sparse_recovery.host_sparse_s
+        if on is None or rec is None or on <= 0:
+            return None
+        return rec / on
+
+    def recovered_tokens(self) -> int | None:
+        status = self.sparse_recovery.end_status
+        return None if not status else int(status.get("tokens_recovered") or 0)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed, "first": self.first,
+            "sparse_on_s": round(self.sparse_on.ttft_sum, 3),
+            "sparse_recovery_s": round(self.sparse_recovery.ttft_sum, 3),
+            "ratio": round(self.ratio(), 4),
+            "host_sparse_s": {"sparse_on": self.sparse_on.host_sparse_s,
+                              "sparse_recovery": self.sparse_recovery.host_sparse_s},
+            "host_sparse_ratio": _round(self.host_sparse_ratio()),
+            "tokens_recovered": self.recovered_tokens(),
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def spread(values: Sequence[float]) -> dict[str, float] | None:
+    """Median, min and max of ``values`` (None when there are none)."""
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4), "n": len(values)}
+
+
+def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
+    """Every pair's figures and the spread of their ratios (None without repeats)."""
+    if len(pairs) < 2:
+        return None
+    host = [r for r in (p.host_sparse_ratio() for p in pairs) if r is not None]
+    return {
+        "pairs": [p.summary() for p in pairs],
+        "ratio": spread([p.ratio() for p in pairs]),
+        "host_sparse_ratio": spread(host),
+    }
+
+
+def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
+    """The report's lines for the repeats (none for a single run)."""
+    summary = repeats_summary(pairs)
+    if summary is None:
+        return []
+    ratio = summary["ratio"]
+    lines = [f"repeats ({ratio['n']} pairs, alternating which arm goes first): recovery / sparse on, summed TTFT, "
+             f"median {ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]"]
+    host = summary["host_sparse_ratio"]
+    if host is not None:
+        lines[0] += (f"; the host's own sparse-route seconds median {host['median']:.2f}x "
+                     f"[{host['min']:.2f}, {host['max']:.2f}]")
+    for p in pairs:
+        h = p.host_sparse_ratio()
+        lines.append(
+            f"  seed {p.seed} ({p.first.replace('_', ' ')} first): sparse on {p.sparse_on.ttft_sum:.2f} s, "
+            f"on + recovery {p.sparse_recovery.ttft_sum:.2f} s, {p.ratio():.2f}x"
+            + ("" if h is None else f"; host sparse seconds {h:.2f}x")
+            + ("" if p.recovered_tokens() is None else f"; recovered {p.recovered_tokens():,} tokens")
+        )
+    return lines

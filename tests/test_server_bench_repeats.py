@@ -1,0 +1,99 @@
+"""``bench server --repeats``: the sparse-on / recovery pair served again, alternating
+which goes first, each concurrent repeat on another schedule, with the spread of the
+ratios and the host's own sparse-route seconds from its log. The server runs are
+stand-ins here (what is tested is the orchestration and the arithmetic); the real oMLX
+server's log is parsed in tests/test_server_bench_concurrent.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_recovery_plugin.bench.server import run as run_mod
+from mlx_recovery_plugin.bench.server import sessions
+from mlx_recovery_plugin.bench.server.hosts import OMLX, RAPID, sparse_seconds
+from mlx_recovery_plugin.bench.server.models import ModelPair
+from mlx_recovery_plugin.bench.server.report import ArmRun, BenchReport, SessionResult, StepRecord, format_session
+
+OMLX_LINES = """\
+2026-12-02 04:54:55,636 - omlx.scheduler - INFO - SpecPrefill: scored 8594 tokens in 3.7s, selected 1728/8594 (keep=20%, prompt 8895 = system 301 + conv 8594, cached 0)
+2026-12-02 04:54:56,918 - omlx.scheduler - INFO - SpecPrefill: system prompt 301 tokens full prefill
+2026-12-02 04:55:05,506 - omlx.scheduler - INFO - SpecPrefill: sparse prefill 1728/8594 conv tokens in 9.8s (total 8895, cached 0, system 301 full, conv 8594 sparse)
+2026-12-02 04:55:07,000 - omlx.server - INFO - Chat completion: 2 tokens in 13.40s (0.3 tok/s), prompt: 9499
+"""
+
+
+def test_the_host_sparse_seconds_are_the_scoring_and_the_sparse_prefill_its_log_reports() -> None:
+    assert sparse_seconds(OMLX, OMLX_LINES) == pytest.approx(13.5)
+    assert sparse_seconds(OMLX, "no sparse route here\n") == 0.0
+    assert sparse_seconds(RAPID, OMLX_LINES) is None  # rapid-mlx's log does not say
+
+
+def _arm(arm: str, ttfts: list[float], host_s: float | None, recovered: int | None = None) -> ArmRun:
+    run = ArmRun(arm, host_sparse_s=host_s)
+    for i, t in enumerate(ttfts):
+        status = {"tokens_recovered": recovered} if recovered is not None else None
+        run.steps.append(StepRecord(i + 1, "A", i + 1, "", 9000 + i, 0, t, t, 0.0, status=status))
+    return run
+
+
+def test_repeats_alternate_the_first_arm_and_change_the_concurrent_schedule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[tuple[str, list[tuple[str, int, float, float]], str]] = []
+    on_sums = iter([10.0, 12.0, 11.0])
+    rec_sums = iter([9.0, 13.2, 9.9])
+
+    def fake_run_arm(config, pair, session, arm, root, progress):
+        served.append((arm, [(s.conversation, s.turn, s.start_s, s.think_s) for s in session.steps], root.name))
+        if arm == "sparse_off":
+            return _arm(arm, [20.0], None)
+        total = next(on_sums if arm == "sparse_on" else rec_sums)
+        return _arm(arm, [total], 8.0 if arm == "sparse_on" else 8.4, recovered=0 if arm != "sparse_on" else None)
+
+    monkeypatch.setattr(run_mod, "run_arm", fake_run_arm)
+    config = run_mod.BenchConfig(workdir=tmp_path, repeats=3, shape=sessions.Shape(context_chars=400, turns=2))
+    session = sessions.build("concurrent", config.shape, 30.0, 3)
+    result = SessionResult("concurrent", session.description, concurrent=True)
+    run_mod._serve_arms(config, ModelPair(tmp_path, "t", "d"), "concurrent", session, result, lambda line: None)
+
+    assert [arm for arm, _, _ in served] == ["sparse_off", "sparse_on", "sparse_recovery", "sparse_recovery",
+                                            "sparse_on", "sparse_on", "sparse_recovery"]
+    # Each pair on one schedule, each repeat on another; sparse off on the first.
+    schedules = [sched for _, sched, _ in served]
+    assert schedules[0] == schedules[1] == schedules[2]
+    assert schedules[3] == schedules[4] != schedules[1]
+    assert schedules[5] == schedules[6] not in (schedules[1], schedules[3])
+    assert len({root for _, _, root in served}) == len(served)  # every run in a directory of its own
+    assert [p.seed for p in result.repeats] == [11, 12, 13]
+    assert [p.first for p in result.repeats] == ["sparse_on", "sparse_recovery", "sparse_on"]
+    assert result.arms["sparse_on"] is result.repeats[0].sparse_on  # the first pair is the session's arms
+
+    report = BenchReport("t", "d", "h", "b", 50.0, 30.0, 1.0, 2, "auto", sessions=[result])
+    summary = report.to_json()["summary"]["concurrent"]["repeats"]
+    assert [p["ratio"] for p in summary["pairs"]] == [0.9, 1.1, 0.9]
+    assert summary["ratio"] == {"median": 0.9, "min": 0.9, "max": 1.1, "n": 3}
+    assert summary["host_sparse_ratio"]["median"] == pytest.approx(1.05)
+    json.dumps(report.to_json())  # the whole report stays JSON
+    text = "\n".join(format_session(result))
+    assert "repeats (3 pairs" in text and "median 0.90x [0.90, 1.10]" in text
+    assert "seed 12 (sparse recovery first)" in text
+
+
+def test_one_run_has_no_repeats_and_the_bench_refuses_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_mod, "run_arm", lambda config, pair, session, arm, root, progress: _arm(arm, [1.0], None))
+    config = run_mod.BenchConfig(workdir=tmp_path)
+    result = SessionResult("agent", "test")
+    run_mod._serve_arms(config, ModelPair(tmp_path, "t", "d"), "agent", sessions.build("agent", config.shape, 1.0),
+                        result, lambda line: None)
+    assert list(result.arms) == ["sparse_off", "sparse_on", "sparse_recovery"] and result.repeats == []
+    assert not any("repeats" in line for line in format_session(result))
+
+    from mlx_recovery_plugin.bench.server.cli import _config
+    from mlx_recovery_plugin.cli import build_parser
+
+    assert _config(build_parser().parse_args(["bench", "server", "--repeats", "3"]), tmp_path).repeats == 3
+    with pytest.raises(ValueError, match="at least 1"):
+        _config(build_parser().parse_args(["bench", "server", "--repeats", "0"]), tmp_path)
