@@ -49,9 +49,9 @@ def test_repeats_alternate_the_first_arm_and_change_the_concurrent_schedule(
     def fake_run_arm(config, pair, session, arm, root, progress):
         served.append((arm, [(s.conversation, s.turn, s.start_s, s.think_s) for s in session.steps], root.name))
         if arm == "sparse_off":
-            return _arm(arm, [20.0], None)
+            return _arm(arm, [20.0, 1.0], None)
         total = next(on_sums if arm == "sparse_on" else rec_sums)
-        return _arm(arm, [total], 8.0 if arm == "sparse_on" else 8.4, recovered=0 if arm != "sparse_on" else None)
+        return _arm(arm, [0.0, total], 8.0 if arm == "sparse_on" else 8.4, recovered=0 if arm != "sparse_on" else None)
 
     monkeypatch.setattr(run_mod, "run_arm", fake_run_arm)
     config = run_mod.BenchConfig(workdir=tmp_path, repeats=3, shape=sessions.Shape(context_chars=400, turns=2))
@@ -76,6 +76,9 @@ def test_repeats_alternate_the_first_arm_and_change_the_concurrent_schedule(
     assert [p["ratio"] for p in summary["pairs"]] == [0.9, 1.1, 0.9]
     assert summary["ratio"] == {"median": 0.9, "min": 0.9, "max": 1.1, "n": 3}
     assert summary["host_sparse_ratio"]["median"] == pytest.approx(1.05)
+    # One later turn per run (turn 2): its spread per arm over the repeats.
+    assert summary["later_turns_s"]["sparse_on"] == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 3}
+    assert summary["later_turns_s"]["sparse_recovery"]["max"] == 13.2
     json.dumps(report.to_json())  # the whole report stays JSON
     text = "\n".join(format_session(result))
     assert "repeats (3 pairs" in text and "median 0.90x [0.90, 1.10]" in text

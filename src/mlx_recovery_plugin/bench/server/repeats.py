@@ -45,6 +45,12 @@ class RepeatPair:
             return None
         return rec / on
 
+    def worst_later_turn(self) -> float | None:
+        """The largest ratio of a later turn's time with recovery to sparse on's, same turn."""
+        ratios = [c.ttft_s / max(b.ttft_s, 1e-9) for b, c in zip(self.sparse_on.steps, self.sparse_recovery.steps)
+                  if c.turn > 1 or c.label]
+        return max(ratios) if ratios else None
+
     def recovered_tokens(self) -> int | None:
         status = self.sparse_recovery.end_status
         return None if not status else int(status.get("tokens_recovered") or 0)
@@ -59,6 +65,7 @@ class RepeatPair:
                               "sparse_recovery": self.sparse_recovery.host_sparse_s},
             "host_sparse_ratio": _round(self.host_sparse_ratio()),
             "tokens_recovered": self.recovered_tokens(),
+            "worst_later_turn_vs_on": _round(self.worst_later_turn()),
         }
 
 
@@ -74,6 +81,13 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
             "max": round(max(values), 4), "n": len(values)}
 
 
+def later_turns(runs: Sequence[ArmRun]) -> dict[str, float] | None:
+    """Median, min and max of the later turns' time to first token over ``runs``: where
+    turns queue, one turn against the same turn of the other arm says more about the
+    queue than about either arm, and the arms' spreads of later turns compare fairly."""
+    return spread([s.ttft_s for run in runs for s in run.steps if s.turn > 1 or s.label])
+
+
 def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
     """Every pair's figures and the spread of their ratios (None without repeats)."""
     if len(pairs) < 2:
@@ -83,6 +97,8 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "pairs": [p.summary() for p in pairs],
         "ratio": spread([p.ratio() for p in pairs]),
         "host_sparse_ratio": spread(host),
+        "later_turns_s": {"sparse_on": later_turns([p.sparse_on for p in pairs]),
+                          "sparse_recovery": later_turns([p.sparse_recovery for p in pairs])},
     }
 
 
@@ -98,6 +114,11 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
     if host is not None:
         lines[0] += (f"; the host's own sparse-route seconds median {host['median']:.2f}x "
                      f"[{host['min']:.2f}, {host['max']:.2f}]")
+    turns = summary["later_turns_s"]
+    if turns["sparse_on"] and turns["sparse_recovery"]:
+        on, rec = turns["sparse_on"], turns["sparse_recovery"]
+        lines.append(f"later turns over all repeats, s: sparse on median {on['median']:.2f} (max {on['max']:.2f}), "
+                     f"on + recovery median {rec['median']:.2f} (max {rec['max']:.2f})")
     for p in pairs:
         h = p.host_sparse_ratio()
         lines.append(
