@@ -7,8 +7,10 @@ handler; each check here looks at an option by its name, whichever command has i
 
 - ``--plot FILE``: matplotlib is importable, and FILE's directory exists;
 - ``--json FILE`` (where it names a file): FILE's directory exists;
-- ``--model``, ``--draft``, ``--model-dir``: the directory exists (``--model`` may also
-  name a known trained model: it is fetched, or the command to fetch it is said);
+- ``--model``, ``--draft``, ``--model-dir``: the directory exists (``--model`` and
+  ``--draft`` may also name a known trained model: it is fetched, or the command to fetch
+  it is said); ``bench server``: the options that choose its models go together
+  (``--model`` not with ``--model-dir`` or ``--target``, see ``model_option_problems``);
 - ``--host``: the host the command would drive is installed (``demo`` and ``bench
   faults``: the ``omlx`` package; ``bench server``: the server's console script).
 
@@ -76,7 +78,7 @@ def _model_dirs(args: argparse.Namespace) -> list[str]:
         value = getattr(args, attr, None)
         if not isinstance(value, (str, Path)) or not str(value) or Path(value).expanduser().is_dir():
             continue
-        if attr == "model" and isinstance(value, str):
+        if attr in ("model", "draft") and isinstance(value, str):
             from .models.catalog import KNOWN
             from .models.library import ModelNotFetched, resolve_model
 
@@ -86,8 +88,18 @@ def _model_dirs(args: argparse.Namespace) -> list[str]:
                 except ModelNotFetched as exc:
                     problems.append(str(exc))
                 continue
+            problems.append(f"{flag} {value}: no such directory (nor a known model name: {', '.join(KNOWN)})")
+            continue
         problems.append(f"{flag} {value}: no such directory")
     return problems
+
+
+def _model_choice(args: argparse.Namespace) -> list[str]:
+    if (getattr(args, "command", None), getattr(args, "suite", None)) != ("bench", "server"):
+        return []
+    from .bench.server.cli import model_option_problems
+
+    return model_option_problems(args)
 
 
 def _host(args: argparse.Namespace) -> list[str]:
@@ -106,4 +118,4 @@ def _host(args: argparse.Namespace) -> list[str]:
     return []
 
 
-CHECKS: tuple[Callable[[argparse.Namespace], list[str]], ...] = (_plot, _outputs, _model_dirs, _host)
+CHECKS: tuple[Callable[[argparse.Namespace], list[str]], ...] = (_plot, _outputs, _model_dirs, _model_choice, _host)

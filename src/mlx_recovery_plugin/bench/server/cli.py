@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..openblas import add_openblas_flag, maybe_reexec
-from .hosts import HOSTS
-from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, parse_target
+from .hosts import HOSTS, ServerHost
+from .models import DEFAULT_TARGET, QUICK_DRAFT, QUICK_TARGET, ModelPair, check_models, link_models, parse_target
 from .sessions import DEFAULT_CONVERSATIONS, DEFAULT_CURVE, SESSION_NAMES
 
 if TYPE_CHECKING:
@@ -51,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
     p.add_argument("--target", metavar="HIDDENxLAYERS[xFFN[xHEADSxKV[xHEAD_DIM]]]", help="target shape (default: the bench target, "
                    f"{DEFAULT_TARGET.hidden_size}x{DEFAULT_TARGET.num_layers}x{DEFAULT_TARGET.intermediate_size})")
+    p.add_argument("--model", metavar="NAME|PATH",
+                   help="the target: a fetched model's name (smollm2, gemma3-270m: see `mlx-recovery models`) or an "
+                   "mlx-lm model directory, served where it lies (default: the random-weight bench target)")
+    p.add_argument("--draft", metavar="NAME|PATH", help="with --model: SpecPrefill's draft (oMLX family; default: the "
+                   "model itself; it must share the target's tokenizer); not used with --host rapid")
     p.add_argument("--model-dir", metavar="DIR", help="serve an existing models directory instead (needs --target-id, --draft-id)")
     p.add_argument("--target-id", help="target model id (directory name) in --model-dir")
     p.add_argument("--draft-id", help="draft model id (directory name) in --model-dir (not needed with "
@@ -71,6 +76,8 @@ def progress_to_stderr(line: str) -> None:
 def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
     from .run import BenchConfig
 
+    if problems := model_option_problems(args):
+        raise ValueError("; ".join(problems))
     config = BenchConfig(
         workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy,
     )
@@ -85,7 +92,9 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
     config.host = host if threshold is None else dataclasses.replace(host, pflash_threshold=threshold)
     if args.target:
         config.target = parse_target(args.target)
-    if args.model_dir:
+    if getattr(args, "model", None):
+        config.pair = named_pair(args.model, getattr(args, "draft", None), workdir, config.host)
+    elif args.model_dir:
         if not args.target_id or (config.host.needs_draft and not args.draft_id):
             raise ValueError("--model-dir needs --target-id and --draft-id"
                              + ("" if config.host.needs_draft else " (--draft-id is optional with this host)"))
@@ -113,6 +122,42 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
     if getattr(args, "max_tokens", None) is not None:
         config.max_tokens = args.max_tokens
     return config
+
+
+# Options that say where the target comes from; --model is one of them on its own.
+TARGET_OPTIONS = {"model_dir": "--model-dir", "target_id": "--target-id", "draft_id": "--draft-id",
+                  "target": "--target"}
+LINKED_MODELS = "linked-models"  # under the work directory: the links to --model and --draft
+
+
+def model_option_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with how ``args`` choose the models (one line each; checked before
+    any work by :mod:`mlx_recovery_plugin.cli_checks`, and again by :func:`_config`)."""
+    model, draft = getattr(args, "model", None), getattr(args, "draft", None)
+    problems = []
+    if model:
+        given = [flag for attr, flag in TARGET_OPTIONS.items() if getattr(args, attr, None)]
+        if given:
+            problems.append(f"--model names the target and serves it where it lies: it does not go with "
+                            f"{', '.join(given)} (those serve a models directory, or the bench's own target)")
+    elif draft:
+        problems.append("--draft goes with --model (with --model-dir, the draft is --draft-id)")
+    host = getattr(args, "host", "omlx")
+    if draft and not HOSTS[host].needs_draft:
+        problems.append(f"--draft is not used with --host {host}: its sparse route (PFlash) needs no draft")
+    return problems
+
+
+def named_pair(model: str, draft: str | None, workdir: Path, host: ServerHost) -> ModelPair:
+    """``--model`` (and ``--draft``; default the model itself, where the host needs a
+    draft) resolved and linked under ``workdir``, checked as the servers will need them."""
+    from ...models.library import resolve_model
+
+    target = resolve_model(model)
+    draft_path = (resolve_model(draft) if draft else target) if host.needs_draft else None
+    pair = link_models(workdir / LINKED_MODELS, target, draft_path)
+    check_models(pair, needs_draft=host.needs_draft)
+    return pair
 
 
 def _run(args: argparse.Namespace) -> int:

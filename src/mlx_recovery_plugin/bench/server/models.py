@@ -1,14 +1,18 @@
 """The models directory the server bench serves, and the SpecPrefill switch for it.
 
 oMLX serves every subdirectory of ``--model-dir``; the model id is the directory's name.
-The target and the draft share the byte-level tokenizer (one token per byte), so a
-message of N characters is N tokens, and the chat template lets chat completions work.
+The bench's own target and draft share the byte-level tokenizer (one token per byte), so
+a message of N characters is N tokens, and the chat template lets chat completions work.
+A model given by ``--model NAME|PATH`` is served where it lies: :func:`link_models` puts a
+symbolic link to it, named by its id, in a models directory of the bench's own (oMLX's
+discovery follows links and names a model by the link; rapid-mlx serves the link's path).
 SpecPrefill is switched on per model in ``<base path>/model_settings.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +92,39 @@ def write_models(model_dir: Path, target: TinyModelSpec, draft: TinyModelSpec) -
         if not (path / "model.safetensors").exists():
             write_tiny_model(path, spec)
     return pair
+
+
+def served_id(path: Path) -> str:
+    """The id a model directory is served under: its name, as the user wrote the path
+    (``.`` and ``..`` taken out)."""
+    return Path(os.path.abspath(path)).name or "model"
+
+
+def link_models(into: Path, target: Path, draft: Path | None) -> ModelPair:
+    """A models directory ``into`` that holds ``target`` (and ``draft``, where the host's
+    sparse route needs one; the target itself gives the same id) as symbolic links named
+    by their ids: the servers read the weights where they lie, nothing is copied. Links
+    of an earlier run in ``into`` are replaced; anything else there is refused, since the
+    oMLX family would serve it too."""
+    into = Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    for entry in into.iterdir():
+        if not entry.is_symlink():
+            raise ModelDirError(f"{entry} is not a link the bench made: {into} must hold only the bench's "
+                                "links to the served models (remove it, or use another --workdir)")
+        entry.unlink()
+    target_id = served_id(target)
+    links = {target_id: target}
+    draft_id = ""
+    if draft is not None:
+        same = draft.resolve() == target.resolve()
+        draft_id = target_id if same else served_id(draft)
+        if not same and draft_id == target_id:  # two directories of one name
+            draft_id = "draft-" + draft_id
+        links[draft_id] = draft
+    for model_id, path in links.items():
+        (into / model_id).symlink_to(path.resolve(), target_is_directory=True)
+    return ModelPair(into, target_id, draft_id)
 
 
 def has_chat_template(model_path: Path) -> bool:
