@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from mlx_recovery_plugin.recovery.costs import (
+    HOST_APPEND_PRIOR,
     DenseCostModel,
+    HostAppendFactor,
     SparseSample,
     Verdict,
     decide,
@@ -375,3 +377,34 @@ def test_one_sparse_turn_told_by_both_hooks_is_one_recent_sample() -> None:
     recent = judge._routes[job.job_id].recent[Regime.QUIET]
     assert [(s.request_id, s.seconds, s.door_s) for s in recent] == [("r1", 9.0, 0.5), ("r2", 10.0, 0.5),
                                                                    ("r3", 11.0, 0.5)]
+
+
+def test_the_host_append_factor_is_the_prior_until_the_host_runs_a_dense_turn_then_its_median() -> None:
+    factor = HostAppendFactor()
+    assert factor.value == HOST_APPEND_PRIOR and factor.measured == 0
+    for predicted, actual in ((2.0, 2.2), (None, 9.0), (0.0, 1.0), (2.0, float("nan")), (2.0, -1.0)):
+        factor.observe(predicted, actual)
+    assert factor.measured == 1 and factor.value == pytest.approx(1.1)  # a host cheaper than the prior
+    factor.observe(1.0, 1.5)
+    factor.observe(4.0, 4.0)
+    assert factor.value == pytest.approx(1.1)  # median of 1.0, 1.1, 1.5
+
+
+def test_a_close_full_prefix_is_published_at_the_hosts_cost_not_the_slices() -> None:
+    """The slices say the next turn's dense append costs 0.8 of the sparse rerun; the host
+    runs it at 1.3x the slices' estimate (it restores the blocks first), so it would take
+    1.04x the rerun: held, not published. The stand-down still reads the slices' cheaper
+    estimate: a factor alone never stops recovery."""
+    model = fitted(2e-3, 0.0)
+    dense = model.seconds(600, 9216)
+    sparse = SparseSample(9816, dense / 0.8)
+    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
+                              measured=sparse)
+    assert decide(model, **kw, host_factor=1.0).verdict is Verdict.PUBLISH
+    held = decide(model, **kw, host_factor=1.3)
+    assert held.verdict is Verdict.HOLD and "not yet clear" in held.reason
+    assert held.dense_s == pytest.approx(1.3 * dense, rel=0.05)
+    paying = decide(model, **(kw | {"measured": SparseSample(9816, dense * 2.0)}), host_factor=1.3)
+    assert paying.verdict is Verdict.PUBLISH and "1.30x the slices'" in paying.reason
+    losing = decide(model, **(kw | {"measured": SparseSample(9816, dense * 0.95)}), host_factor=1.3)
+    assert losing.verdict is Verdict.HOLD, "slower only at the host's cost: held, not stood down"

@@ -369,6 +369,10 @@ def test_the_host_dense_turn_after_a_publication_is_learned_and_checked(rigs) ->
     rig.prefilled(nxt, cached=960, route=Route.DENSE, seconds=3.4)
     policy = rig.status()["policy"]
     assert policy["host_dense_samples"] == 1 and policy["host_turns_learned"] == 1
+    # The host's own append now says what the host costs over the slices' estimate.
+    assert policy["host_append_measured"] == 1
+    # Slices cost A a token at any context here, so the model predicted uncached * A.
+    assert policy["host_append_factor"] == pytest.approx(3.4 / ((len(nxt) - 960) * A), rel=0.05)
     turn = policy["last_turn_after_publication"]
     assert turn["cached_tokens"] == 960 and turn["prefill_s"] == 3.4
     assert turn["predicted_s"] is not None and turn["paid"] is True

@@ -133,6 +133,34 @@ def test_a_missing_startup_hook_is_found_before_start_and_the_fix_is_given(monke
     assert server.proc is None
 
 
+def test_the_control_socket_is_found_where_the_plugin_falls_back_under_a_long_work_directory(tmp_path: Path) -> None:
+    """A runtime directory too long for a socket address: the plugin serves its control
+    channel at /tmp/mlx-recovery-<uid>/<pid>.sock, and the bench must look there (it
+    reported "the plugin did not attach an engine" for a server whose log said it had)."""
+    from mlx_recovery_plugin.recovery.control_paths import default_socket_path, fits
+
+    runtime = tmp_path / ("r" * 120)
+    (runtime / "mlx-recovery").mkdir(parents=True)
+    spec = ServerSpec(model_dir=tmp_path, base_path=tmp_path, cache_dir=tmp_path, log_path=tmp_path / "log",
+                      env={"XDG_RUNTIME_DIR": str(runtime)})
+    server = ServerProcess(spec)
+    pid = 4_000_000 + os.getpid() % 100_000  # no live process has it: a file of ours alone
+    server.proc = SimpleNamespace(pid=pid)  # type: ignore[assignment]
+    expected = process.fallback_socket_path(pid)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_RUNTIME_DIR", str(runtime))
+        assert not fits(str(runtime / "mlx-recovery" / f"{pid}.sock"))
+        assert default_socket_path(pid) == expected  # the plugin's own choice, from the same rule
+    assert server.control_socket() is None
+    Path(expected).parent.mkdir(parents=True, exist_ok=True)
+    Path(expected).touch()
+    try:
+        assert server.control_socket() == expected
+    finally:
+        Path(expected).unlink()
+        server.proc = None
+
+
 def test_a_model_directory_without_a_chat_template_is_refused(tmp_path: Path) -> None:
     for name in ("t", "d"):
         (tmp_path / name).mkdir()

@@ -17,9 +17,14 @@ finished blocks back, or stand down:
 * :func:`sparse_rerun_seconds`: the host's measured sparse prefill time, scaled to the
   next turn's length; without a measurement, the target's share of it (the kept tokens'
   dense prefill), which leaves out the draft and so errs towards the sparse route.
+* :class:`HostAppendFactor`: how much the host's own cached dense append costs over what
+  the slices predict for the same pass (the host restores the cached blocks and prefills
+  the turn its own way), learned from the host's dense turns, with a prior until one is
+  seen.
 * :func:`decide` compares the next turn's dense append over the prefix that publication
-  would leave with the sparse rerun: it publishes what surely pays, stands down only when
-  even the full prefix is confidently slower, and otherwise holds for more evidence.
+  would leave, as the host would run it, with the sparse rerun: it publishes what surely
+  pays, stands down only when even the full prefix is confidently slower, and otherwise
+  holds for more evidence.
 
 Threads: a :class:`DenseCostModel` belongs to one engine's recovery service and is used on
 its engine thread only (the status copies its coefficients under the service's lock).
@@ -48,6 +53,14 @@ BAND_SAMPLES = 8
 MIN_SCATTER = 0.05
 # How far past the furthest band seen an estimate still counts as supported.
 SUPPORT_REACH = 1.25
+# The host's cached dense append over the slices' estimate of the same pass, before the
+# host has run one: on oMLX's scheduler (bench policy, 5 target shapes x 2 loads, this
+# project's 2-core CPU) it was 1.0-1.57x, median 1.33. A publication must beat the
+# sparse rerun with the host's cost, not the slices', and a host that turns out cheaper
+# replaces the prior at its first dense turn.
+HOST_APPEND_PRIOR = 1.3
+# The host's dense turns whose ratio to the prediction is remembered (their median speaks).
+HOST_APPEND_SAMPLES = 8
 
 
 class Verdict(str, Enum):
@@ -230,6 +243,37 @@ class DenseCostModel:
         return Estimate(low, mid, math.inf, False)
 
 
+class HostAppendFactor:
+    """The host's cached dense appends over the slice-fitted prediction of each: the
+    median of the recent ratios, else :data:`HOST_APPEND_PRIOR`."""
+
+    def __init__(self, prior: float = HOST_APPEND_PRIOR, samples: int = HOST_APPEND_SAMPLES) -> None:
+        self.prior = prior
+        self._ratios: deque[float] = deque(maxlen=samples)
+
+    def observe(self, predicted_s: float | None, actual_s: float) -> None:
+        """The host ran a dense append the model predicted at ``predicted_s`` (before the
+        host's own sample of it was added) in ``actual_s``."""
+        if predicted_s is not None and predicted_s > 0 and math.isfinite(actual_s) and actual_s > 0:
+            self._ratios.append(actual_s / predicted_s)
+
+    @property
+    def measured(self) -> int:
+        return len(self._ratios)
+
+    @property
+    def value(self) -> float:
+        if not self._ratios:
+            return self.prior
+        ordered = sorted(self._ratios)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def _scaled(estimate: Estimate, factor: float) -> Estimate:
+    return Estimate(estimate.low * factor, estimate.mid * factor, estimate.high * factor, estimate.supported)
+
+
 def _pass_seconds(coefficients: tuple[float, float], tokens: int, context: int) -> float:
     if tokens <= 0:
         return 0.0
@@ -291,6 +335,7 @@ def decide(
     margin: float = PAYS_MARGIN,
     measured_here: bool = True,
     cheapest: SparseSample | None = None,
+    host_factor: float = 1.0,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -301,7 +346,10 @@ def decide(
     timed on the machine as it is now (not carried over from another load regime); a
     stand-down needs it. ``cheapest``: the cheapest per token of the conversation's recent
     sparse turns in this regime; a publication must beat the rerun it implies too, while a
-    stand-down weighs the latest (each errs on the side of leaving the host's route be)."""
+    stand-down weighs the latest (each errs on the side of leaving the host's route be).
+    ``host_factor``: the host's dense append over the slices' estimate
+    (:class:`HostAppendFactor`); a publication is judged at the host's cost, a stand-down
+    at the slices' (the cheaper reading: again the side of doing nothing drastic)."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -311,7 +359,8 @@ def decide(
         # (oMLX) that reading: measured, 256 cached made the sparse turn 4.4x slower.
         return Decision(Verdict.HOLD, f"a {boundary}-token prefix leaves the next turn sparse ({uncached} "
                         f"uncached > {threshold}); holding until {full_boundary}", may_spill=True)
-    dense = model.estimate(uncached, boundary)
+    slices = model.estimate(uncached, boundary)
+    dense = None if slices is None else _scaled(slices, max(host_factor, 0.0))
     sparse = sparse_rerun_seconds(model, next_tokens, keep, measured)
     # A publication is weighed against the cheapest recent rerun, a stand-down against
     # the latest: each errs towards leaving the host's own route alone.
@@ -321,9 +370,10 @@ def decide(
         if boundary >= full_boundary:
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")
         return Decision(Verdict.HOLD, "learning the dense cost before a partial prefix is published")
+    host = "" if host_factor == 1.0 else f", the host's: {host_factor:.2f}x the slices'"
     if dense.high <= margin * beat:
         return Decision(
-            Verdict.PUBLISH, f"dense append {dense.mid:.2f} s (at most {dense.high:.2f}) < sparse rerun "
+            Verdict.PUBLISH, f"dense append {dense.mid:.2f} s (at most {dense.high:.2f}{host}) < sparse rerun "
             f"{beat:.2f} s", dense.mid, beat,
         )
     full = model.estimate(max(0, next_tokens - full_boundary), full_boundary)
@@ -354,7 +404,8 @@ def decide(
                         dense.mid, sparse)
     if dense.mid <= margin * beat:
         return Decision(
-            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s < sparse rerun {beat:.2f} s",
+            Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s{host and ' (' + host[2:] + ')'} "
+            f"< sparse rerun {beat:.2f} s",
             dense.mid, beat,
         )
     return Decision(

@@ -24,6 +24,7 @@ from .costs import (
     DEFAULT_APPEND_TOKENS,
     Decision,
     DenseCostModel,
+    HostAppendFactor,
     Source,
     SparseSample,
     Verdict,
@@ -110,6 +111,7 @@ class PublishJudge:
         self._routes: dict[int, RouteMemory] = {}
         # What the host's own turns said of the predictions (engine thread).
         self._host_turns = 0
+        self._host_append = HostAppendFactor()
         self._sparse_updates = 0
         self._last_turn: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
@@ -160,7 +162,10 @@ class PublishJudge:
         uncached = len(event.tokens) - event.cached_tokens
         regime = self._look()
         if event.route is Route.DENSE and event.cached_tokens > 0 and uncached > 0:
-            self._models[regime].observe(event.cached_tokens, uncached, event.prefill_s, Source.HOST)
+            model = self._models[regime]
+            # Against the prediction before this turn's own sample is in the model.
+            self._host_append.observe(model.seconds(uncached, event.cached_tokens), event.prefill_s)
+            model.observe(event.cached_tokens, uncached, event.prefill_s, Source.HOST)
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
@@ -216,6 +221,7 @@ class PublishJudge:
                 measured=self._sparse_sample(route, keep),
                 cheapest=route.cheapest(self.regime),
                 measured_here=self.regime in route.sparse,
+                host_factor=self._host_append.value,
             )
         self.last = decision
         memory = self._routes.get(job.job_id)
@@ -277,6 +283,10 @@ class PublishJudge:
                 "host_dense_samples": self.costs.host_samples,
                 "evidence": self.evidence,
                 "host_turns_learned": self._host_turns,
+                # The host's dense append over the slices' estimate, and how many of the
+                # host's own dense turns measured it (0: the prior).
+                "host_append_factor": round(self._host_append.value, 4),
+                "host_append_measured": self._host_append.measured,
                 "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ...recovery.control_paths import SOCKET_DIR_NAME, SOCKET_SUFFIX
+from ...recovery.control_paths import SOCKET_DIR_NAME, SOCKET_SUFFIX, socket_dirs
 from .hosts import OMLX, ServerHost, serve_argv
 
 HOST = "127.0.0.1"
@@ -182,6 +182,12 @@ def stop_all_on_sigterm() -> None:
 atexit.register(stop_all)
 
 
+def fallback_socket_path(pid: int) -> str:
+    """Where a server's plugin puts its control socket when the runtime directory's path
+    is too long for a socket address (see ``control_paths.default_socket_path``)."""
+    return os.path.join(socket_dirs()[-1], f"{pid}{SOCKET_SUFFIX}")
+
+
 class ServerProcess:
     """A running ``omlx serve``; ``with ServerProcess(spec) as server:`` starts it, waits
     until ``/health`` answers (and, with ``expect_plugin``, until the plugin's admin route
@@ -274,7 +280,9 @@ class ServerProcess:
 
     def control_socket(self, timeout_s: float = 0.0) -> str | None:
         """The plugin's control socket in this server's private runtime directory (it
-        appears when the first engine attaches, i.e. at the first request)."""
+        appears when the first engine attaches, i.e. at the first request), or where the
+        plugin falls back to when that path is too long for a socket address
+        (``/tmp/mlx-recovery-<uid>/<pid>.sock``, by this server's pid)."""
         runtime = self.spec.env.get("XDG_RUNTIME_DIR")
         if not runtime:
             return None
@@ -282,6 +290,10 @@ class ServerProcess:
         while True:
             pattern = os.path.join(glob.escape(runtime), SOCKET_DIR_NAME, "*" + SOCKET_SUFFIX)
             found = sorted(glob.glob(pattern))
+            pid = self.pgid  # the server process leads its own group
+            if not found and pid is not None:
+                fallback = fallback_socket_path(pid)
+                found = [fallback] if os.path.exists(fallback) else []
             if found or time.monotonic() >= deadline:
                 return found[0] if found else None
             time.sleep(0.1)
