@@ -7,8 +7,8 @@ driven by a client (the OpenAI SDK when installed, else plain ``urllib``) throug
 workloads: a shared document inside one user message, ``/v1/completions`` with a shared
 prefix, an edited user message, sub-agents with different system prompts over one shared
 tool schema (the schema leads the system message: the tiny models' template renders no
-tool list), and a regenerated answer. Each workload uses its own text, so one server per
-arm serves them all without cross-talk.
+tool list), and a regenerated answer (:mod:`.mlx_lm_workloads`). Each workload uses its
+own text, so one server per arm serves them all without cross-talk.
 
 Per workload and arm: cached tokens as the server's ``usage.prompt_tokens_details.
 cached_tokens`` reports them, summed over every request after the first; the *floor* is
@@ -24,30 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..testing.mlx_lm_models import SPECS
-from ..testing.mlx_lm_server import Reply, ServerClient, plugin_environment, serving
+from ..testing.mlx_lm_server import plugin_environment, serving
 from ..testing.tiny_model import cached_model_dir
 from .mlx_lm_untouched import UntouchedRow, format_rows
 from .mlx_lm_untouched import measure as measure_untouched
+from .mlx_lm_workloads import PARTIAL_WORKLOADS, WORKLOADS, floor_tokens, sdk_sender, urllib_sender, workload
 
-WORKLOADS = ("shared_document", "completions_prefix", "edited_message", "subagents", "regenerated")
-#: Workloads where the prompts diverge inside a segment: the adopter's ground.
-PARTIAL_WORKLOADS = ("shared_document", "completions_prefix", "edited_message", "subagents")
 ARMS = ("without", "with")
 GOAL_SHARE = 0.9
-
-
-@dataclass(slots=True, frozen=True)
-class Request:
-    kind: str  # "chat" or "completion"
-    messages: tuple[tuple[str, str], ...] = ()
-    prompt: str = ""
 
 
 @dataclass(slots=True)
@@ -69,78 +59,6 @@ class Row:
         return self.cached_tokens / self.floor_tokens if self.floor_tokens else 1.0
 
 
-def _text(rng: random.Random, n: int) -> str:
-    return "".join(chr(97 + rng.randrange(26)) if rng.random() > 0.15 else " " for _ in range(n))
-
-
-def workload(name: str, doc_chars: int, requests: int, seed: int) -> list[Request]:
-    """The requests of one workload (byte-level tokenizer: one token per character)."""
-    rng = random.Random(f"{name}-{seed}")
-    doc = _text(rng, doc_chars)
-    system = ("system", "You answer briefly.")
-    if name == "shared_document":
-        return [Request("chat", (system, ("user", f"{doc}\nQuestion {i}: {_text(rng, 20)}?"))) for i in range(requests)]
-    if name == "completions_prefix":
-        return [Request("completion", prompt=f"{doc}\n{_text(rng, 30)}") for _ in range(requests)]
-    if name == "edited_message":
-        out, text = [], doc
-        for _ in range(requests):
-            out.append(Request("chat", (system, ("user", text))))
-            at = int(len(text) * 0.8)  # the user edits a late part of the message
-            text = text[:at] + _text(rng, 12) + text[at + 12 :]
-        return out
-    if name == "subagents":
-        tools = json.dumps([{"type": "function", "function": {"name": f"tool_{i}", "description": _text(rng, 40),
-                                                                  "parameters": {"type": "object"}}} for i in range(6)])
-        tools = tools[:doc_chars]
-        return [Request("chat", (("system", f"{tools}\nYou are sub-agent {i}: {_text(rng, 30)}"),
-                                 ("user", f"Task: {_text(rng, 25)}"))) for i in range(requests)]
-    if name == "regenerated":
-        messages = (system, ("user", f"{doc}\nSummarise."))
-        return [Request("chat", messages) for _ in range(requests)]
-    raise ValueError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
-
-
-def _template(messages: Sequence[tuple[str, str]]) -> str:
-    # The tiny models' chat template (testing/tiny_model.py), one token per character.
-    return "".join(f"<|{role}|>{content}" for role, content in messages) + "<|assistant|>"
-
-
-def prompt_tokens(request: Request) -> list[str]:
-    """The prompt as the tiny tokenizer sees it: one symbol per token."""
-    if request.kind == "completion":
-        return list(request.prompt)
-    out: list[str] = []
-    text = _template(request.messages)
-    i = 0
-    while i < len(text):
-        if text.startswith("<|", i) and (end := text.find("|>", i)) > 0:
-            out.append(text[i : end + 2])
-            i = end + 2
-        else:
-            out.append(text[i])
-            i += 1
-    return out
-
-
-def floor_tokens(requests: Sequence[Request], block: int) -> int:
-    """Sum over requests after the first of floor(longest common prefix with an earlier one, block),
-    capped where the host must still prefill one token."""
-    prompts = [prompt_tokens(r) for r in requests]
-    total = 0
-    for k in range(1, len(prompts)):
-        best = 0
-        for earlier in prompts[:k]:
-            n = 0
-            for a, b in zip(earlier, prompts[k]):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        total += (min(best, len(prompts[k]) - 1) // block) * block
-    return total
-
-
 def kv_bytes_per_token(model: str) -> int:
     """Bytes per token of the model's trimmable (attention) layers, measured on 256 tokens."""
     import mlx.core as mx
@@ -154,41 +72,6 @@ def kv_bytes_per_token(model: str) -> int:
     return int(sum(c.nbytes for c in cache if type(c) is KVCache)) // 256
 
 
-def _sdk_sender(client: ServerClient) -> Callable[[Request], Reply] | None:
-    try:
-        import openai
-    except ImportError:
-        return None
-    sdk = openai.OpenAI(base_url=client.base_url + "/v1", api_key="none", timeout=client.timeout)
-
-    def send(request: Request) -> Reply:
-        out: Any
-        if request.kind == "completion":
-            out = sdk.completions.create(model=client.model, prompt=request.prompt, max_tokens=6, temperature=0.0)
-            text = out.choices[0].text
-        else:
-            out = sdk.chat.completions.create(
-                model=client.model, max_tokens=6, temperature=0.0,
-                messages=[{"role": r, "content": c} for r, c in request.messages],  # type: ignore[misc]
-            )
-            text = out.choices[0].message.content or ""
-        usage = out.usage
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
-        return Reply(text, cached, int(usage.prompt_tokens if usage else 0), ())
-
-    return send
-
-
-def _urllib_sender(client: ServerClient) -> Callable[[Request], Reply]:
-    def send(request: Request) -> Reply:
-        if request.kind == "completion":
-            return client.complete(request.prompt, max_tokens=6)
-        return client.chat([{"role": r, "content": c} for r, c in request.messages], max_tokens=6)
-
-    return send
-
-
 def run_arm(
     model: str, arm: str, *, block: int, doc_chars: int, requests: int, seed: int, use_sdk: bool,
     workloads: Sequence[str] = WORKLOADS,
@@ -196,7 +79,7 @@ def run_arm(
     path = cached_model_dir(SPECS[model])
     rows: list[Row] = []
     with serving(path, plugin_environment(arm == "with", block)) as client:
-        send = (_sdk_sender(client) if use_sdk else None) or _urllib_sender(client)
+        send = (sdk_sender(client) if use_sdk else None) or urllib_sender(client)
         before = client.status() or {}
         for name in workloads:
             batch = workload(name, doc_chars, requests, seed)
