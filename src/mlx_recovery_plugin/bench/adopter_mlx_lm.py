@@ -15,15 +15,22 @@ cached_tokens`` reports them, summed over every request after the first; the *fl
 the sum of ``floor(shared prefix, block)`` where the shared prefix is the longest common
 prefix with any earlier prompt of the workload (what a block-floored adopter could
 restore); snapshot bytes held at the workload's end and stored during it (from the
-plugin's status route). Cached-token rows carry no timing; the host's own time to first
-token on requests the adopter does not adopt is measured apart, in one process with the
-adapter attached and not in alternating pairs (:mod:`.mlx_lm_untouched`): take it alone.
+plugin's status route); each request's time to first token, streamed and timed by the
+client from sending the request to its first streamed content, and their median over the
+requests after the first (the first of a workload has nothing to reuse in either arm).
+The two arms are two servers run one after the other, so their first-token ratio holds
+the machine's drift between them, and a tiny model's prefill is short beside the HTTP
+round trip: read it as a ratio per workload, with the regenerated answer (the server's
+own reuse in both arms) as the control. The host's own time to first token on requests
+the adopter does not adopt is measured apart, in one process with the adapter attached
+and not in alternating pairs (:mod:`.mlx_lm_untouched`). Timing: take it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,10 +60,18 @@ class Row:
     cuts: int = 0
     host_cache_bytes: int = 0
     texts: list[str] = field(default_factory=list)
+    #: Each request's seconds to its first streamed content, in the order sent.
+    ttft_s: list[float] = field(default_factory=list)
 
     @property
     def share_of_floor(self) -> float:
         return self.cached_tokens / self.floor_tokens if self.floor_tokens else 1.0
+
+    @property
+    def ttft_median_s(self) -> float | None:
+        """Median time to first token over the requests after the first (None with one)."""
+        later = self.ttft_s[1:]
+        return statistics.median(later) if later else None
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -93,6 +108,7 @@ def run_arm(
                 cuts=int(after.get("cuts", 0)) - int(before.get("cuts", 0)),
                 host_cache_bytes=int(after.get("host_cache_bytes", 0)),
                 texts=[r.text for r in replies],
+                ttft_s=[r.ttft_s for r in replies if r.ttft_s is not None],
             ))
             before = after
     return rows
@@ -107,6 +123,7 @@ class MlxLmBenchReport:
     kv_per_token: dict[str, int] = field(default_factory=dict)
     #: Time to first token on fresh prompts, adapter attached / not (empty: not measured).
     untouched: list[UntouchedRow] = field(default_factory=list)
+    blas: str = ""
 
     def row(self, model: str, workload: str, arm: str) -> Row | None:
         return next((r for r in self.rows if (r.model, r.workload, r.arm) == (model, workload, arm)), None)
@@ -118,6 +135,13 @@ class MlxLmBenchReport:
             return None
         return on.snapshot_bytes_stored / ((on.cached_tokens - off.cached_tokens) * self.kv_per_token[model])
 
+    def ttft_ratio(self, model: str, workload: str) -> float | None:
+        """Median time to first token with the adopter over without (requests after the first)."""
+        off, on = self.row(model, workload, "without"), self.row(model, workload, "with")
+        if off is None or on is None or off.ttft_median_s is None or on.ttft_median_s is None:
+            return None
+        return on.ttft_median_s / off.ttft_median_s if off.ttft_median_s > 0 else None
+
     @property
     def goals_met(self) -> bool:
         partial = all(r.share_of_floor >= GOAL_SHARE for r in self.rows
@@ -127,19 +151,22 @@ class MlxLmBenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "host": "mlx_lm", "block_tokens": self.block, "doc_chars": self.doc_chars,
+            "host": "mlx_lm", "block_tokens": self.block, "doc_chars": self.doc_chars, "blas": self.blas,
             "kv_bytes_per_token": self.kv_per_token,
-            "rows": [{**asdict(r), "share_of_floor": round(r.share_of_floor, 3),
-                      "snapshot_over_kv_saved": self.memory_ratio(r.model, r.workload) if r.arm == "with" else None}
+            "rows": [{**asdict(r), "share_of_floor": round(r.share_of_floor, 3), "ttft_median_s": r.ttft_median_s,
+                      "snapshot_over_kv_saved": self.memory_ratio(r.model, r.workload) if r.arm == "with" else None,
+                      "ttft_with_over_without": self.ttft_ratio(r.model, r.workload) if r.arm == "with" else None}
                      for r in self.rows],
             "goals_met": self.goals_met,
             "untouched_ttft": [r.to_dict() for r in self.untouched],
         }
 
     def format_table(self) -> str:
-        lines = [f"mlx_lm.server, cached tokens per workload (block {self.block}; floor = block floor of the shared prefix)",
+        lines = [f"mlx_lm.server, cached tokens per workload (block {self.block}; floor = block floor of the shared prefix; "
+                 f"{self.blas or 'BLAS not recorded'})",
                  f"  {'workload':<19} {'model':<9} {'without':>8} {'with':>8} {'floor':>8} {'share':>6} "
-                 f"{'snap held':>10} {'snap stored':>11} {'cuts':>5} {'snap/KV saved':>13}"]
+                 f"{'snap held':>10} {'snap stored':>11} {'cuts':>5} {'snap/KV saved':>13} "
+                 f"{'TTFT w/o ms':>11} {'with ms':>8} {'ratio':>6}"]
         for name in dict.fromkeys(r.workload for r in self.rows):
             for model in dict.fromkeys(r.model for r in self.rows):
                 off, on = self.row(model, name, "without"), self.row(model, name, "with")
@@ -148,8 +175,11 @@ class MlxLmBenchReport:
                 lines.append(
                     f"  {name:<19} {model:<9} {off.cached_tokens if off else '-':>8} {on.cached_tokens:>8} "
                     f"{on.floor_tokens:>8} {on.share_of_floor:>6.0%} {on.snapshot_bytes:>10} "
-                    f"{on.snapshot_bytes_stored:>11} {on.cuts:>5} {_ratio(self.memory_ratio(model, name)):>13}"
+                    f"{on.snapshot_bytes_stored:>11} {on.cuts:>5} {_ratio(self.memory_ratio(model, name)):>13} "
+                    f"{_ms(off.ttft_median_s if off else None):>11} {_ms(on.ttft_median_s):>8} "
+                    f"{_ratio(self.ttft_ratio(model, name)):>6}"
                 )
+        lines.append("TTFT: median over the requests after the first, streamed, client-side")
         lines.append(f"goals met (with >= {GOAL_SHARE:.0%} of floor on partial workloads; reference: 0 cuts, 0 bytes): "
                      f"{'yes' if self.goals_met else 'no'}")
         if self.untouched:
@@ -161,12 +191,18 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def run_mlx_lm_bench(
     *, block: int = 64, doc_chars: int = 600, requests: int = 3, seed: int = 0, use_sdk: bool = True,
     models: Sequence[str] = ("hybrid", "sliding", "reference"), workloads: Sequence[str] = WORKLOADS,
     untouched_pairs: int = 0, untouched_tokens: int = 1500,
 ) -> MlxLmBenchReport:
-    report = MlxLmBenchReport(block, doc_chars)
+    from ..runner.blas import describe
+
+    report = MlxLmBenchReport(block, doc_chars, blas=describe())
     if untouched_pairs > 0:  # first, before the servers below load the machine
         report.untouched = measure_untouched(("reference", *[m for m in models if m != "reference"]), block=block,
                                              pairs=untouched_pairs, prompt_tokens=untouched_tokens, seed=seed)

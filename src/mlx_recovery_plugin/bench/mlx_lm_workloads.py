@@ -1,7 +1,8 @@
 """What ``bench adopter --host mlx_lm`` sends: its workloads, their prompts as the tiny
 models' tokenizer sees them, the block floor a partial-prefix adopter could restore, and
 the senders that put a request on the wire (the OpenAI SDK when installed, else plain
-``urllib``).
+``urllib``), streamed: each reply carries the seconds from sending the request to its
+first streamed content, as the client sees it.
 
 Each workload uses its own text (seeded by its name), so one server serves them all
 without cross-talk. The tiny models' byte-level tokenizer gives one token per character,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,36 +104,56 @@ def floor_tokens(requests: Sequence[Request], block: int) -> int:
     return total
 
 
+#: Tokens each request generates: enough for a greedy answer to compare, few enough that
+#: the prefill dominates.
+MAX_TOKENS = 6
+
+
 def sdk_sender(client: ServerClient) -> Callable[[Request], Reply] | None:
+    """Streamed through the OpenAI SDK, timed to the first streamed content; None without it."""
     try:
         import openai
     except ImportError:
         return None
-    sdk = openai.OpenAI(base_url=client.base_url + "/v1", api_key="none", timeout=client.timeout)
+    sdk = openai.OpenAI(base_url=client.base_url + "/v1", api_key="none", timeout=client.timeout, max_retries=0)
 
     def send(request: Request) -> Reply:
-        out: Any
+        started = time.perf_counter()
+        common: dict[str, Any] = {"model": client.model, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                  "stream": True, "stream_options": {"include_usage": True}}
+        stream: Any
         if request.kind == "completion":
-            out = sdk.completions.create(model=client.model, prompt=request.prompt, max_tokens=6, temperature=0.0)
-            text = out.choices[0].text
+            stream = sdk.completions.create(prompt=request.prompt, **common)
         else:
-            out = sdk.chat.completions.create(
-                model=client.model, max_tokens=6, temperature=0.0,
-                messages=[{"role": r, "content": c} for r, c in request.messages],  # type: ignore[misc]
-            )
-            text = out.choices[0].message.content or ""
-        usage = out.usage
+            stream = sdk.chat.completions.create(messages=[{"role": r, "content": c} for r, c in request.messages],
+                                                 **common)
+        first: float | None = None
+        parts: list[str] = []
+        usage: Any = None
+        for chunk in stream:
+            for choice in chunk.choices:
+                delta = getattr(choice, "delta", None)
+                text = (getattr(delta, "content", None) if delta is not None else getattr(choice, "text", None)) or ""
+                if text and first is None:
+                    first = time.perf_counter()
+                parts.append(text)
+            usage = chunk.usage or usage
+        ended = time.perf_counter()
+        if usage is None:
+            raise RuntimeError("the stream ended without usage (stream_options include_usage ignored?)")
         details = getattr(usage, "prompt_tokens_details", None)
         cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
-        return Reply(text, cached, int(usage.prompt_tokens if usage else 0), ())
+        return Reply("".join(parts), cached, int(usage.prompt_tokens), (),
+                     (first if first is not None else ended) - started)
 
     return send
 
 
 def urllib_sender(client: ServerClient) -> Callable[[Request], Reply]:
+    """Streamed through plain ``urllib``, timed to the first streamed content."""
     def send(request: Request) -> Reply:
         if request.kind == "completion":
-            return client.complete(request.prompt, max_tokens=6)
-        return client.chat([{"role": r, "content": c} for r, c in request.messages], max_tokens=6)
+            return client.stream_complete(request.prompt, max_tokens=MAX_TOKENS)
+        return client.stream_chat([{"role": r, "content": c} for r, c in request.messages], max_tokens=MAX_TOKENS)
 
     return send
