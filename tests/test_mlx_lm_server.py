@@ -6,6 +6,8 @@ server does, and adds nothing on a trimmable model. Every server is killed in ``
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 import sysconfig
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlx_recovery_plugin.bench.adopter_mlx_lm import PARTIAL_WORKLOADS, MlxLmBenchReport, run_mlx_lm_bench, workload
+from mlx_recovery_plugin.bench.mlx_lm_long_run import LongRun, run_long_run
 from mlx_recovery_plugin.hosts.mlx_lm.instrumentor import mlx_lm_version, version_supported
 from mlx_recovery_plugin.testing.mlx_lm_models import SPECS
 from mlx_recovery_plugin.testing.mlx_lm_server import plugin_environment, serving
@@ -63,6 +66,49 @@ def test_every_bench_request_reports_its_time_to_first_token_and_each_workload_i
             off = next(r for r in rows if (r["model"], r["workload"], r["arm"]) == (out["model"], out["workload"], "without"))
             assert out["ttft_with_over_without"] == pytest.approx(out["ttft_median_s"] / off["ttft_median_s"])
     assert "TTFT w/o ms" in report.format_table()
+
+
+@pytest.fixture(scope="module")
+def long_run() -> LongRun:
+    return run_long_run("hybrid", documents=8, doc_chars=300, block=BLOCK, budget_snapshots=2, use_sdk=False)
+
+
+def test_the_snapshot_budget_holds_over_a_long_run_and_the_newest_documents_siblings_are_adopted(
+    long_run: LongRun,
+) -> None:
+    run = long_run
+    assert len(run.held_bytes) == 16  # read after every request
+    assert 0 < max(run.held_bytes) <= run.budget_bytes == 2 * run.snapshot_bytes_each
+    assert run.evicted_budget > 0 and run.faults == 0
+    assert run.stored * run.snapshot_bytes_each == run.bytes_stored  # the budget was sized in the server's snapshots
+    assert run.sibling_floor[-1] > 0 and run.sibling_cached[-1] >= run.sibling_floor[-1]
+    out = run.to_dict()
+    assert out["within_budget"] and out["late_share"] >= 0.9 and out["goal_met"]
+    assert out["peak_bytes"] == max(run.held_bytes)
+
+
+def test_the_command_writes_the_json_with_its_long_run_and_a_plot(
+    report: MlxLmBenchReport, long_run: LongRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mlx_recovery_plugin import cli
+    from mlx_recovery_plugin.bench import adopter_mlx_lm
+
+    asked: dict[str, object] = {}
+
+    def bench(**kwargs: object) -> MlxLmBenchReport:  # the fixtures' runs stand in for the bench's
+        asked.update(kwargs)
+        return dataclasses.replace(report, long_run=[long_run])
+
+    monkeypatch.setattr(adopter_mlx_lm, "run_mlx_lm_bench", bench)
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    assert cli.main(["bench", "adopter", "--host", "mlx_lm", "--long-run", "8", "--long-run-snapshots", "2",
+                     "--out", str(out), "--plot", str(plot)]) == 0
+    assert (asked["long_run_documents"], asked["long_run_snapshots"]) == (8, 2)
+    (written,) = json.loads(out.read_text())["long_run"]
+    assert written["budget_bytes"] == long_run.budget_bytes and written["goal_met"]
+    assert "long run, hybrid: 8 documents" in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "sliding"])
