@@ -19,11 +19,14 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def started(*_args: object, **_kwargs: object) -> None:
         raise WorkStarted
 
+    from mlx_recovery_plugin.bench import adopter, adopter_mlx_lm
     from mlx_recovery_plugin.bench.server import run as server_run
     from mlx_recovery_plugin.demo import run as demo_run
 
     monkeypatch.setattr(server_run, "run_bench", started)
     monkeypatch.setattr(demo_run, "run_demo", started)
+    monkeypatch.setattr(adopter, "run_adopter_bench", started)
+    monkeypatch.setattr(adopter_mlx_lm, "run_mlx_lm_bench", started)
     monkeypatch.setattr("mlx_recovery_plugin.bench.openblas.reexec_with_openblas", lambda: None)
 
 
@@ -47,6 +50,30 @@ def test_demo_plot_without_matplotlib_fails_at_once(
 ) -> None:
     assert cli.main(["demo", "--quick", "--no-openblas", "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_bench_adopter_plot_without_matplotlib_fails_at_once(
+    no_work: None, no_matplotlib: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "adopter", "--host", "mlx_lm", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_bench_adopter_plot_into_a_missing_directory_is_refused_before_the_run(
+    no_work: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "missing" / "p.png"
+    assert cli.main(["bench", "adopter", "--host", "mlx_lm", "--plot", str(out)]) == 2
+    assert f"--plot {out}: directory" in capsys.readouterr().err
+
+
+def test_bench_adopter_plot_and_long_run_need_the_mlx_lm_host(
+    no_work: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "adopter", "--plot", str(tmp_path / "p.png"), "--long-run", "40"]) == 2
+    assert "--plot and --long-run need --host mlx_lm" in capsys.readouterr().err
+    with pytest.raises(WorkStarted):  # without them the mock bench runs as before
+        cli.main(["bench", "adopter"])
 
 
 def test_a_model_directory_that_does_not_exist_is_refused_before_the_run(

@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_recovery_plugin.adopter.plugin import AdopterPlugin
+from mlx_recovery_plugin.bench.mlx_lm_long_run import snapshot_bytes
 from mlx_recovery_plugin.hosts.mlx_lm import MlxLmInstrumentor, version_supported
 from mlx_recovery_plugin.hosts.mlx_lm.instrumentor import mlx_lm_version
 from mlx_recovery_plugin.plugins import new_plugin_manager
@@ -287,5 +288,28 @@ def test_the_budget_evicts_the_least_recently_used_snapshot(models: dict[str, An
         assert (status["snapshots"], status["stored"], status["evicted_budget"]) == (2, 6, 4)
         store = instrumentor._life.snapshots
         assert store.boundaries(("tiny", None, None), prompt, BLOCK, 200) == [192, 160]
+    finally:
+        instrumentor.uninstrument()
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "sliding"])
+def test_the_budget_holds_over_a_long_run_and_the_newest_documents_siblings_are_still_adopted(
+    kind: str, models: dict[str, Any]
+) -> None:
+    budget = 2 * snapshot_bytes(kind, BLOCK)  # the bench's own sizing: two snapshots of the model
+    instrumentor, _ = attach(budget=budget)
+    try:
+        lru, held, restored = LRUPromptCache(max_size=10), [], []
+        for k in range(24):  # the host keeps ten entries: old documents leave its cache too
+            document = tokens(200, seed=1000 + k)  # six snapshots offered (32 ... 192), two kept
+            for question in (0, 1):
+                served = serve(lru, models[kind], document + tokens(12, seed=2000 + 2 * k + question))
+                held.append(instrumentor.status()["snapshots"]["bytes"])
+            restored.append(served.cached_tokens)  # the sibling's floor: 192 of the 200 shared tokens
+        status = instrumentor.status()
+        assert max(held) <= budget and held[-1] > 0
+        assert status["snapshots"]["evicted_budget"] >= 24 * 4
+        assert restored[-6:] == [192] * 6  # the newest documents' siblings still get their floor
+        assert status["adopted"] == 24 and status["faults"] == 0
     finally:
         instrumentor.uninstrument()

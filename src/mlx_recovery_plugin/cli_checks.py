@@ -12,7 +12,8 @@ handler; each check here looks at an option by its name, whichever command has i
   it is said); ``bench server``: the options that choose its models go together
   (``--model`` not with ``--model-dir`` or ``--target``, see ``model_option_problems``);
 - ``--host``: the host the command would drive is installed (``demo`` and ``bench
-  faults``: the ``omlx`` package; ``bench server``: the server's console script).
+  faults``: the ``omlx`` package; ``bench server``: the server's console script);
+  ``bench adopter``'s ``--plot`` and ``--long-run`` need ``--host mlx_lm``.
 
 Nothing here imports a host or MLX; it runs on the main thread before anything starts.
 """
@@ -107,6 +108,11 @@ def _host(args: argparse.Namespace) -> list[str]:
     command = (getattr(args, "command", None), getattr(args, "suite", None))
     if command in (("demo", None), ("bench", "faults")) and host == "omlx" and not module_available("omlx"):
         return ["--host omlx needs oMLX installed (pip install flyto-mlx; see tests/omlx-requirements.txt)"]
+    if command == ("bench", "adopter") and host != "mlx_lm":
+        asked = [flag for flag, value in (("--plot", getattr(args, "plot", None)),
+                                          ("--long-run", getattr(args, "long_run", 0))) if value]
+        if asked:
+            return [f"{' and '.join(asked)} need --host mlx_lm (the mock host's bench has neither)"]
     if command == ("bench", "server") and isinstance(host, str):
         from .bench.server.hosts import HOSTS
         from .bench.server.process import host_command

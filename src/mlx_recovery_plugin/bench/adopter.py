@@ -353,6 +353,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="mlx_lm: pairs timing first tokens of fresh prompts, adapter on / off (0: skip; default 7)")
     p.add_argument("--untouched-tokens", type=int, default=1500,
                    help="mlx_lm: tokens per fresh prompt in the untouched timing (default 1500)")
+    p.add_argument("--long-run", type=int, default=0, metavar="N",
+                   help="mlx_lm: also serve N documents, each with a sibling, under a snapshot budget of a few "
+                        "snapshots; the bytes held after every request, evictions, the floor restored (0: skip)")
+    p.add_argument("--long-run-snapshots", type=int, default=4, metavar="K",
+                   help="mlx_lm: the long run's budget, in snapshots of the model (default 4)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="mlx_lm: draw cached tokens per workload, snapshot bytes over the KV saved and the long run "
+                        "as a PNG")
     p.set_defaults(func=_cmd_bench_adopter)
 
 

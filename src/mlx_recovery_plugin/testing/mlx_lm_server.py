@@ -4,7 +4,8 @@
 waits (bounded) for ``/health``, yields a :class:`ServerClient`, and always kills the
 process afterwards. The plugin attaches from the environment alone (``MLX_RECOVERY_ENABLE``
 and the ``.pth`` start-up hook in the interpreter's site-packages), as a user's would.
-The client is plain ``urllib`` so the tests need no HTTP library.
+The client is plain ``urllib`` so the tests need no HTTP library; its ``stream_*`` calls
+read the server's event stream and time the first token as a client sees it.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ STATUS_PATH = "/v1/mlx-recovery/status"
 
 @dataclass(slots=True, frozen=True)
 class Reply:
-    """One completion: the text, cached and prompt tokens as the server's usage says."""
+    """One completion: the text, cached and prompt tokens as the server's usage says;
+    streamed, the seconds from sending it to the first streamed content (or to the
+    stream's end, if no content came)."""
 
     text: str
     cached_tokens: int
     prompt_tokens: int
     logprobs: tuple[float, ...]
+    ttft_s: float | None = None
 
 
 class ServerClient:
@@ -73,6 +77,42 @@ class ServerClient:
         choice = out["choices"][0]
         content = (choice.get("logprobs") or {}).get("content") or []
         return _reply(choice["text"], out["usage"], [c["logprob"] for c in content])
+
+    def stream_chat(self, messages: list[dict[str, str]], max_tokens: int = 8) -> Reply:
+        """``chat`` streamed (no logprobs), timed to the first token."""
+        return self._stream("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
+
+    def stream_complete(self, prompt: str, max_tokens: int = 8) -> Reply:
+        """``complete`` streamed (no logprobs), timed to the first token."""
+        return self._stream("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+
+    def _stream(self, path: str, body: dict[str, Any]) -> Reply:
+        request = urllib.request.Request(
+            self.base_url + path, headers={"Content-Type": "application/json"},
+            data=json.dumps({**body, "model": self.model, "temperature": 0.0, "stream": True,
+                             "stream_options": {"include_usage": True}}).encode(),
+        )
+        started = time.perf_counter()
+        first: float | None = None
+        parts: list[str] = []
+        usage: Mapping[str, Any] | None = None
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            for raw in response:  # server-sent events; ": keepalive" comments carry no data
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:"):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    if text and first is None:
+                        first = time.perf_counter()
+                    parts.append(text)
+        ended = time.perf_counter()
+        if usage is None:
+            raise RuntimeError(f"{path}: the stream ended without usage")
+        reply = _reply("".join(parts), usage, [])
+        return Reply(reply.text, reply.cached_tokens, reply.prompt_tokens, (), (first if first is not None else ended) - started)
 
     def status(self) -> dict[str, Any] | None:
         """The adapter's status, or None where the plugin is not attached."""
