@@ -343,9 +343,8 @@ def _serve_arms(
                 for arm in order}
         if r == 0:
             result.arms.update(runs)
-        result.repeats.append(RepeatPair(seed, order[0], runs["sparse_on"], runs["sparse_recovery"]))
-    if config.repeats == 1:
-        result.repeats.clear()  # one pair is the session itself, not a repeat
+        if config.repeats > 1:  # one pair is the session itself, not a repeat
+            result.repeats.append(RepeatPair(seed, order[0], runs["sparse_on"], runs["sparse_recovery"]))
 
 
 def dense_rate(balance: dict[str, Any] | None, prompt: int) -> float | None:
