@@ -20,6 +20,18 @@ class FakeClock:
         self.now += seconds
 
 
+class TickingClock:
+    """Moves ``step`` seconds on every read: a host timed with it reports the same
+    seconds for the same work, so a test about order is not decided by timing noise."""
+
+    def __init__(self, now: float = 0.0, step: float = 0.01) -> None:
+        self.now, self.step = now, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
 def random_tokens(seed: int, n: int) -> list[int]:
     """``n`` reproducible token ids below 256 (the tiny models' byte vocabulary)."""
     rng = random.Random(seed)
