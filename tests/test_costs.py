@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from mlx_recovery_plugin.events import RequestPrefilled, Route
 from mlx_recovery_plugin.recovery.costs import (
     HOST_APPEND_PRIOR,
     DenseCostModel,
@@ -16,6 +17,8 @@ from mlx_recovery_plugin.recovery.costs import (
     decide,
     sparse_rerun_seconds,
 )
+from mlx_recovery_plugin.recovery.judge import PublishJudge
+from mlx_recovery_plugin.settings import PublishPolicy
 
 
 def fitted(a: float, b: float, contexts: tuple[int, ...] = (0, 512, 1024, 1536)) -> DenseCostModel:
@@ -408,3 +411,18 @@ def test_a_close_full_prefix_is_published_at_the_hosts_cost_not_the_slices() -> 
     assert paying.verdict is Verdict.PUBLISH and "1.30x the slices'" in paying.reason
     losing = decide(model, **(kw | {"measured": SparseSample(9816, dense * 0.95)}), host_factor=1.3)
     assert losing.verdict is Verdict.HOLD, "slower only at the host's cost: held, not stood down"
+
+
+def test_a_host_dense_turn_is_counted_once_in_what_the_next_such_turn_is_expected_to_cost() -> None:
+    """Slices cost 10 ms a token at any context; the host's own append of 552 tokens over
+    960 cached took 1.3x that. Its factor says so, and the sample goes into the slices'
+    model as the pass it implies: the host's next such turn is expected at what the host
+    took, not 1.3x on top of a model already pulled up to the host's time."""
+    judge = PublishJudge(PublishPolicy.AUTO, 64)
+    for context in range(0, 960, 128):
+        judge.observe(context, 128, 128 * 0.01)
+    host_s = 1.3 * 552 * 0.01
+    judge.observe_turn(None, RequestPrefilled("e", "r", "m", tuple(range(1512)), 960, Route.DENSE, host_s))
+    assert judge.status()["host_append_factor"] == pytest.approx(1.3, rel=0.01)
+    expected = judge.costs.seconds(552, 960) * judge.status()["host_append_factor"]
+    assert expected == pytest.approx(host_s, rel=0.05)

@@ -277,6 +277,39 @@ def test_a_whole_prefix_held_as_not_yet_clear_is_published_once_the_evidence_say
     assert rig.status()["jobs"] == []
 
 
+def test_a_job_whose_whole_prefix_is_not_yet_clear_on_evidence_that_reaches_it_pauses(rigs) -> None:
+    """Conversation X is run whole and held "not yet clear"; the host's own dense append of
+    another turn at that context then tells the policy what such a turn costs (1.3x the
+    slices' estimate, as its prior said). Conversation Y, alike, would only be held too:
+    it pauses instead of being run (the evidence reaches its whole prefix already), costs
+    no slice while nothing changes, and resumes (and is published) once the host says its
+    sparse route takes 12 s."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    x = random_tokens(27, PROMPT)
+    rig.served(x, threshold=5000, prefill_s=3.51)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.status()["jobs"][0]["held_tokens"] == 960
+    ran_for_x = rig.status()["counters"]["tokens_run"]
+    other = random_tokens(28, 1512)
+    rig.prefilled(other, cached=960, route=Route.DENSE, seconds=1.3 * (1512 - 960) * A)
+    y = random_tokens(29, PROMPT + 1)
+    rig.served(y, threshold=5000, prefill_s=3.51)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    job_y = next(j for j in status["jobs"] if j["tokens"] == PROMPT + 1)
+    assert "not yet clear" in (job_y["paused"] or ""), repr((job_y, status["policy"]))
+    assert job_y["stood_down"] is None
+    assert status["counters"]["tokens_run"] == ran_for_x, "nothing was run for Y only to be held"
+    assert status["counters"]["jobs_paused"] == 1
+    for _ in range(5):
+        rig.engine.offer_idle_step()
+    assert rig.status()["counters"]["tokens_run"] == ran_for_x, "a pause is not re-run without new evidence"
+    rig.prefilled(y, cached=0, route=Route.SPARSE, seconds=12.0)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(y) == 960
+    assert rig.status()["counters"]["jobs_paused"] == 1
+
+
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     prompt = random_tokens(16, PROMPT)

@@ -106,8 +106,8 @@ def test_conversations_are_served_at_once_and_recorded_in_the_sessions_step_orde
     assert [r.prompt_tokens for r in run.steps] == [sum(len(m["content"]) for m in s.messages) for s in session.steps]
     assert all(r.sent_s is not None and r.done_s is not None and r.done_s >= r.sent_s for r in run.steps)
     assert all(r.status is not None for r in run.steps)
-    assert run.final_status == {"tokens_recovered": len(session.steps) + 1, "tokens_run": 10, "debt": None,
-                                "slices": None, "budget_share_used": 0.0}
+    assert run.final_status == {"tokens_recovered": len(session.steps) + 1, "tokens_run": 10, "tokens_held": None,
+                                "debt": None, "slices": None, "budget_share_used": 0.0}
     assert sorted(server.served) == sorted(r.prompt_tokens for r in run.steps)
 
 

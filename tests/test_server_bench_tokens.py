@@ -146,3 +146,75 @@ def test_a_log_that_cannot_tell_leaves_the_route_unknown_and_the_ratios_in() -> 
         step.sparse = None
     assert result.sparse_route_applied() is None and result.sparse_note() == ""
     assert "served sparse: unknown" in "\n".join(format_session(result))
+
+
+
+class _QuietLog:
+    def log_text(self) -> str:
+        return ""
+
+
+def _serve_with_a_watched_load(monkeypatch: pytest.MonkeyPatch, loads: list, fail_at: int | None = None):
+    """Serve a 3-turn agent session with --load-first-turn on a fake client (a real
+    one-process load); ``loads`` gets the load. Returns whether it ran at each turn's
+    send, and the arm's records."""
+    from mlx_recovery_plugin.bench.policy.load import CompetingLoad
+    from mlx_recovery_plugin.bench.server import run as run_mod
+    from mlx_recovery_plugin.bench.server.client import TurnMeasure
+
+    running_at_send: list[bool] = []
+
+    def one_process_load() -> CompetingLoad:
+        loads.append(CompetingLoad(1))
+        return loads[-1]
+
+    def send_turn(client, model, messages, max_tokens=2, *, absent_cached_is_zero=False):
+        running_at_send.append(loads[0].running and all(c.poll() is None for c in loads[0]._children))
+        if fail_at is not None and len(running_at_send) == fail_at:
+            raise RuntimeError("the server went away")
+        return TurnMeasure(prompt_tokens=100, cached_tokens=0, ttft_s=0.1, total_s=0.1, completion_tokens=1)
+
+    monkeypatch.setattr(run_mod, "CompetingLoad", one_process_load)
+    monkeypatch.setattr(run_mod, "send_turn", send_turn)
+    config = BenchConfig(workdir=Path("."), load_first_turn=True, idle_wait_s=0.0)
+    session = sessions.agent(sessions.Shape(context_chars=50, turns=3), think_s=0.0)
+    run = ArmRun("sparse_off")
+    pair = ModelPair(Path("."), "target", "draft")
+    run_mod._serve_in_order(config, pair, session, "sparse_off", _QuietLog(), None, lambda line: None, "t", run)
+    return running_at_send, run
+
+
+def test_the_first_turn_load_runs_through_the_first_turn_only_and_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loads: list = []
+    running, run = _serve_with_a_watched_load(monkeypatch, loads)
+    assert running == [True, False, False]
+    assert [step.loaded for step in run.steps] == [True, False, False]
+    assert len(loads) == 1 and not loads[0].running
+
+
+def test_the_first_turn_load_is_stopped_when_a_turn_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads: list = []
+    with pytest.raises(RuntimeError, match="went away"):
+        _serve_with_a_watched_load(monkeypatch, loads, fail_at=1)
+    assert len(loads) == 1 and not loads[0].running
+
+
+def test_the_command_line_loads_the_first_turn_only_when_asked(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert _config(parser.parse_args(["server", "--load-first-turn"]), tmp_path).load_first_turn
+    assert not _config(parser.parse_args(["server"]), tmp_path).load_first_turn
+
+
+def test_work_held_back_at_the_end_is_reported_apart_from_what_was_committed() -> None:
+    result = _result(on_sparse=True)
+    result.arms["sparse_recovery"].steps[-1].status = {"tokens_recovered": 1024, "tokens_run": 4096,
+                                                        "tokens_held": 2048}
+    assert result.committed_share() == pytest.approx(0.25)
+    assert result.held_share() == pytest.approx(0.5)
+    text = "\n".join(format_session(result))
+    assert "committed / run 0.25" in text and "held at the end / run 0.50" in text
+    result.arms["sparse_recovery"].steps[-1].status = {"tokens_recovered": 1024, "tokens_run": 4096}
+    assert result.held_share() is None  # an older plugin did not say

@@ -78,6 +78,9 @@ class Decision:
     #: A hold that may publish instead when holding would pass the memory cap: the next
     #: turn stays sparse either way, and published blocks bring the full prefix closer.
     may_spill: bool = False
+    #: A hold of the whole prefix that more slices of the job would not change: the
+    #: evidence already reaches the whole prefix, and what is unclear is the comparison.
+    settled: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -414,4 +417,5 @@ def decide(
         f"(latest {sparse:.2f} s) is not yet clear either way; held for more evidence",
         dense.mid,
         sparse,
+        settled=dense.supported,
     )

@@ -84,7 +84,9 @@ class RecoveryJob:
     ``committed`` that the publish policy keeps back until a longer prefix pays, or that
     an interrupted slice finished before it stopped.
     ``stood_down`` is the reason recovery stopped working on the job because no prefix of
-    it would pay. What the host said of the conversation's sparse route is the publish
+    it would pay; ``paused`` the reason it waits on the job (its held blocks kept) because
+    the verdict on its whole prefix is not clear either way on evidence that already
+    reaches that far, so more of its slices would only be held. What the host said of the conversation's sparse route is the publish
     policy's memory, not the job's (:class:`~.judge.PublishJudge`).
 
     The fields change only through the methods below, called by the job's book or by its
@@ -103,6 +105,9 @@ class RecoveryJob:
     stood_down: str | None = None
     #: The cost model's evidence when the job stood down: more evidence reopens it.
     stood_down_evidence: int = 0
+    paused: str | None = None
+    #: The policy's evidence when the job paused: more evidence resumes it.
+    paused_evidence: int = 0
     #: A turn arrived since the last slice: the next slice runs before any stand-down, so
     #: the verdict is taken on a measurement of today's machine at the job's frontier.
     fresh_turn: bool = False
@@ -126,6 +131,7 @@ class RecoveryJob:
         return (
             not self.parked(now)
             and self.stood_down is None
+            and self.paused is None
             and self.frontier(block_size) < self.publish_end(block_size)
         )
 
@@ -152,6 +158,7 @@ class RecoveryJob:
         self.committed = max(self.committed, canonical)
         self.drop_held_below(self.committed, block_size)
         self.stood_down = None
+        self.paused = None
         self.fresh_turn = True
         self.served_seq = seq
 
@@ -208,13 +215,23 @@ class RecoveryJob:
         self.held = []
         return first
 
+    def pause(self, reason: str, evidence: int = 0) -> bool:
+        """Stop running slices of the job, keeping what it holds, until the policy's
+        ``evidence`` grows or the conversation's next turn arrives. True the first time."""
+        first = self.paused is None
+        self.paused = reason
+        self.paused_evidence = evidence
+        return first
+
     def reconsider(self, evidence: int) -> bool:
-        """The cost model learned more since the job stood down: judge it again (before
-        any slice runs). True if it was reopened."""
-        if self.stood_down is None or evidence <= self.stood_down_evidence:
-            return False
-        self.stood_down = None
-        return True
+        """The cost model learned more since the job stood down or paused: judge it again
+        (before any slice runs). True if it was reopened."""
+        reopened = False
+        if self.stood_down is not None and evidence > self.stood_down_evidence:
+            self.stood_down, reopened = None, True
+        if self.paused is not None and evidence > self.paused_evidence:
+            self.paused, reopened = None, True
+        return reopened
 
     def park(self, now: float, *, base_s: float, max_s: float) -> None:
         """Back off after a fault, doubling the wait per fault in a row."""

@@ -165,7 +165,11 @@ class PublishJudge:
             model = self._models[regime]
             # Against the prediction before this turn's own sample is in the model.
             self._host_append.observe(model.seconds(uncached, event.cached_tokens), event.prefill_s)
-            model.observe(event.cached_tokens, uncached, event.prefill_s, Source.HOST)
+            # The model is of the slices' cost, and a verdict multiplies it by the host's
+            # factor: the host's turn goes in as the slices' pass it implies, or its
+            # overhead would be counted twice where only the host has reached.
+            factor = max(self._host_append.value, 1e-6)
+            model.observe(event.cached_tokens, uncached, event.prefill_s / factor, Source.HOST)
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
@@ -233,10 +237,17 @@ class PublishJudge:
     def stand_down_reason(self, job: RecoveryJob) -> str | None:
         """Why ``job`` should not be worked on at all (not even its whole prefix would pay),
         or None. Judged only once the dense cost is known."""
+        decision = self.before_work(job)
+        return decision.reason if decision is not None and decision.verdict is Verdict.STAND_DOWN else None
+
+    def before_work(self, job: RecoveryJob) -> Decision | None:
+        """The verdict on ``job``'s whole prefix, taken before more of it is run: a
+        stand-down, or a hold that more slices would not change (:attr:`Decision.settled`),
+        says not to run it now. None until the dense cost is known, or when the policy
+        does not judge."""
         if self.policy is not PublishPolicy.AUTO or not self.costs.fitted:
             return None
-        decision = self.judge(job, job.publish_end(self.block_size))
-        return decision.reason if decision.verdict is Verdict.STAND_DOWN else None
+        return self.judge(job, job.publish_end(self.block_size))
 
     def status(self) -> MappingProxyType[str, Any]:
         """The policy's status as of its last change (any thread)."""

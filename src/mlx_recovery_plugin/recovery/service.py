@@ -346,7 +346,7 @@ class EngineRecovery:
         and the context it started at."""
         if not self._have_runner():
             return 0, 0
-        if self._stands_down(job):
+        if self._stands_down_or_pauses(job):
             return 0, 0
         end_target = job.publish_end(self.block_size)
         if not self._live.is_for(job, end_target):
@@ -506,17 +506,29 @@ class EngineRecovery:
         evidence = self.judge.evidence
         return any([job.reconsider(evidence) for job in self.book])
 
-    def _stands_down(self, job: RecoveryJob) -> bool:
-        """Before working on ``job``: stand it down when even its whole prefix would not pay.
-        The first slice after a new turn runs regardless: the verdict is then taken on a
-        measurement of the machine as it is now, at the job's frontier."""
+    def _stands_down_or_pauses(self, job: RecoveryJob) -> bool:
+        """Before working on ``job``: stand it down when even its whole prefix would not pay,
+        and pause it (keeping what it holds) when the verdict on its whole prefix is not
+        clear on evidence that already reaches it: its slices would only be held, and the
+        idle time is better left to a job that pays (or to nobody). More evidence, or the
+        conversation's next turn, resumes it. The first slice after a new turn runs
+        regardless: the verdict is then taken on a measurement of the machine as it is now,
+        at the job's frontier."""
         if job.fresh_turn:
             return False
-        reason = self.judge.stand_down_reason(job)
-        if reason is None:
+        decision = self.judge.before_work(job)
+        if decision is None:
             return False
         with self._lock:
-            self._stand_down_locked(job, reason)
+            if decision.verdict is Verdict.STAND_DOWN:
+                self._stand_down_locked(job, decision.reason)
+            elif decision.verdict is Verdict.HOLD and decision.settled:
+                if job.pause(decision.reason, self.judge.evidence):
+                    self.counters.jobs_paused += 1
+                    log.info("mlx-recovery: engine %s: job %d paused: %s", self.engine_id, job.job_id,
+                             decision.reason)
+            else:
+                return False
         self._retire_live()
         return True
 

@@ -29,6 +29,7 @@ class JobStatus:
     tokens_recovered: int
     held_tokens: int = 0
     stood_down: str | None = None
+    paused: str | None = None
 
     @classmethod
     def of(cls, job: RecoveryJob, block_size: int, now: float) -> JobStatus:
@@ -45,6 +46,7 @@ class JobStatus:
             tokens_recovered=job.tokens_recovered,
             held_tokens=len(job.held) * block_size,
             stood_down=job.stood_down,
+            paused=job.paused,
         )
 
 
@@ -63,6 +65,7 @@ class EngineCounters:
     jobs_dropped: int = 0
     jobs_cancelled: int = 0
     jobs_stood_down: int = 0
+    jobs_paused: int = 0
     slices_held: int = 0
     held_blocks_dropped: int = 0
     live_retired: int = 0
@@ -138,6 +141,8 @@ class ProcessStatus:
             "debt": self.debt,
             "tokens_recovered": sum(e.counters.tokens_recovered for e in self.engines),
             "tokens_run": sum(e.counters.tokens_run for e in self.engines),
+            # Finished but held back by the publish policy: neither committed nor lost.
+            "tokens_held": sum(job.held_tokens for e in self.engines for job in e.jobs),
             "slices": sum(e.counters.slices for e in self.engines),
             "faults": faults,
             "budget_share_used": self.budget.get("share_used", 0.0),
@@ -180,6 +185,7 @@ def export_counters(status: ProcessStatus) -> dict[str, float]:
         out[f"{COUNTER_PREFIX}slice_seconds_total{tag}"] = c.slice_seconds
         out[f"{COUNTER_PREFIX}jobs{tag}"] = float(len(engine.jobs))
         out[f"{COUNTER_PREFIX}debt_tokens{tag}"] = float(engine.debt)
+        out[f"{COUNTER_PREFIX}held_tokens{tag}"] = float(sum(job.held_tokens for job in engine.jobs))
         for kind, n in c.faults.items():
             out[f"{COUNTER_PREFIX}faults_total{tag}:{kind}"] = float(n)
     return out

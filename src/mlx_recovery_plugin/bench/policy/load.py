@@ -12,17 +12,25 @@ _SPIN = "while True:\n    pass\n"
 
 
 class CompetingLoad:
-    """Start ``processes`` busy loops on entry (default: one per core); stop them on exit.
-    Owned by the bench's thread."""
+    """Start ``processes`` busy loops on entry or :meth:`start` (default: one per core);
+    stop them on exit or :meth:`stop`. Owned by the bench's thread."""
 
     def __init__(self, processes: int | None = None) -> None:
         self.processes = processes if processes is not None else (os.cpu_count() or 1)
         self._children: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> CompetingLoad:
-        for _ in range(self.processes):
-            self._children.append(subprocess.Popen([sys.executable, "-c", _SPIN]))
+        self.start()
         return self
+
+    def start(self) -> None:
+        """Start the busy loops (nothing more if they run already)."""
+        if not self._children:
+            self._children = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(self.processes)]
+
+    @property
+    def running(self) -> bool:
+        return bool(self._children)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()

@@ -54,7 +54,7 @@ class CellResult:
     dense_cached: int
     recovery_turn_s: float
     recovery_cached: int
-    verdict: str  # published | partial | held | stood_down | nothing
+    verdict: str  # published | partial | paused | held | stood_down | nothing
     policy: dict[str, Any] = field(default_factory=dict)
     tokens_run: int = 0
     tokens_recovered: int = 0
@@ -244,6 +244,8 @@ def _verdict(cached: int, dense_cached: int, block: int, jobs: list[dict[str, An
         return "stood_down"
     if cached > 0:
         return "partial"
+    if any(job.get("paused") for job in jobs):
+        return "paused"
     if any(job.get("held_tokens") for job in jobs):
         return "held"
     return "nothing"

@@ -32,7 +32,7 @@ class PolicyReport:
     def goals(self) -> dict[str, bool]:
         return {
             f"no wrong stand-down where the full prefix pays by {PAYS_BY:g}x or more": not any(
-                r.truth == "pays" and r.verdict == "stood_down" for r in self.results),
+                r.truth == "pays" and r.verdict in ("stood_down", "paused") for r in self.results),
             f"no publication that makes a turn slower than {SLOWER_MARGIN:g}x the sparse route": not any(
                 r.recovery_cached > 0 and r.turn_ratio > SLOWER_MARGIN for r in self.results),
             f"no next turn with recovery above {SLOWER_MARGIN:g}x the sparse route": not any(

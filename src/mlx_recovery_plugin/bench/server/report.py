@@ -53,6 +53,7 @@ class StepRecord:
     answer: str | None = None  # the streamed answer (max_tokens of it)
     sent_s: float | None = None  # concurrent: when the request was sent, from the session's start
     done_s: float | None = None  # concurrent: when its answer ended
+    loaded: bool = False  # a competing CPU load ran through this turn and the gap after it
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tokens_recovered": process["tokens_recovered"],
         "tokens_run": process.get("tokens_run"),
+        "tokens_held": process.get("tokens_held"),
         "debt": process.get("debt"),
         "slices": process.get("slices"),
         "budget_share_used": round(float(process.get("budget_share_used") or 0.0), 4),
@@ -240,6 +242,16 @@ class SessionResult:
             return None
         return float(last["tokens_recovered"]) / float(last["tokens_run"])
 
+    def held_share(self) -> float | None:
+        """Tokens finished but still held back when the session ended (for a conversation
+        that may come back; not thrown away) over the tokens the slices ran: with
+        :meth:`committed_share`, what of the work was neither committed nor is still kept.
+        None where the plugin did not say."""
+        last = self.arms["sparse_recovery"].end_status
+        if not last or not last.get("tokens_run") or last.get("tokens_held") is None:
+            return None
+        return float(last["tokens_held"]) / float(last["tokens_run"])
+
 
 @dataclass(slots=True)
 class CurvePoint:
@@ -269,6 +281,7 @@ class BenchReport:
     balance: dict[str, Any] | None = None
     token_fit: dict[str, Any] | None = None  # chars per token of the target's tokenizer (sessions.TokenFit)
     notes: list[str] = field(default_factory=list)  # lines about the sizes (context, threshold)
+    load_first_turn: bool = False  # a competing CPU load through each arm's first turn and gap
 
     def longest_prompt(self) -> int:
         runs = [a for s in self.sessions for a in s.arms.values()]
@@ -284,7 +297,8 @@ class BenchReport:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["summary"] = {
-            s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(), "committed_share": s.committed_share()}
+            s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(), "committed_share": s.committed_share(),
+                                  "held_share": s.held_share()}
             | _route_summary(s) | {"host_sparse_s": {arm: s.arms[arm].host_sparse_s for arm in ARMS},
                                    "repeats": repeats_summary(s.repeats)}
             for s in self.sessions
@@ -372,6 +386,9 @@ def format_session(result: SessionResult) -> list[str]:
         parts = [f"worst later turn against sparse on {worst:.2f}x" if worst is not None else "no later turn"]
         if kept is not None:
             parts.append(f"committed / run {kept:.2f}")
+        held = result.held_share()
+        if held:
+            parts.append(f"held at the end / run {held:.2f}")
         lines.append("; ".join(parts))
         slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
         if slow:
@@ -412,6 +429,9 @@ def format_report(report: BenchReport) -> str:
         f"sparse off and sparse on wait only {report.idle_wait_s:g} s between turns (they do nothing "
         "while idle); the recovery arm waits the real think time.",
     ]
+    if report.load_first_turn:
+        lines.append("a competing CPU load (a busy loop per core) ran from each arm's first turn until its second "
+                     "was sent (sequential sessions): the recovery arm's first think time ran on a loaded machine")
     if report.balance is None:
         raise ValueError("the report has no cost balance (a missing measurement)")
     lines.append(report.balance["describe"])

@@ -33,6 +33,7 @@ from typing import Any
 
 from ...recovery.control import ControlError, request
 from ...testing.tiny_model import TinyModelSpec
+from ..policy.load import CompetingLoad
 from . import sessions as sessions_mod
 from .client import make_client, send_turn
 from .concurrent import serve_concurrently
@@ -76,6 +77,10 @@ class BenchConfig:
     repeats: int = 1
     start_timeout_s: float = 180.0
     host: ServerHost = OMLX  # which server serves (an oMLX-family member, or rapid-mlx)
+    # A competing CPU load from each arm's first turn until its second is sent (sequential
+    # sessions): the first turn of every arm, and the recovery arm's first think time,
+    # run on a loaded machine, the later turns on a quiet one: --load-first-turn.
+    load_first_turn: bool = False
 
 
 def _private_dir(path: Path) -> Path:
@@ -179,9 +184,29 @@ def _serve_in_order(
     config: BenchConfig, pair: ModelPair, session: sessions_mod.Session, arm: str, server: ServerProcess,
     client: Any, progress: Progress, tag: str, run: ArmRun,
 ) -> None:
-    """One step after another on ``client``, each marked sparse or dense by the log."""
+    """One step after another on ``client``, each marked sparse or dense by the log; with
+    ``config.load_first_turn``, a competing load runs from the first step until the second
+    is sent, and is stopped whatever happens."""
+    load = CompetingLoad() if config.load_first_turn else None
+    try:
+        _serve_steps(config, pair, session, arm, server, client, progress, tag, run, load)
+    finally:
+        if load is not None:
+            load.stop()
+
+
+def _serve_steps(
+    config: BenchConfig, pair: ModelPair, session: sessions_mod.Session, arm: str, server: ServerProcess,
+    client: Any, progress: Progress, tag: str, run: ArmRun, load: CompetingLoad | None,
+) -> None:
     zero = config.host.omits_zero_cached
     for index, step in enumerate(session.steps):
+        loaded = load is not None and index == 0
+        if load is not None:
+            if loaded:
+                load.start()
+            else:
+                load.stop()
         seen = sparse_lines(config.host, server.log_text())
         measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
                             absent_cached_is_zero=zero)
@@ -192,7 +217,7 @@ def _serve_in_order(
                  f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
                  f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
                  + ("" if sparse is None else f" ({'sparse' if sparse else 'dense'})")
-                 + ("" if last else f"; idle {wait:g} s"))
+                 + ("" if last else f"; idle {wait:g} s") + (" (machine loaded)" if loaded else ""))
         if not last:
             time.sleep(wait)
         figures = None
@@ -204,7 +229,7 @@ def _serve_in_order(
             step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
             prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
             ttft_s=measure.ttft_s, total_s=measure.total_s, idle_after_s=0.0 if last else wait,
-            status=figures, sparse=sparse, answer=measure.text,
+            status=figures, sparse=sparse, answer=measure.text, loaded=loaded,
         ))
 
 
@@ -298,6 +323,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
+        load_first_turn=config.load_first_turn,
     )
     for name in config.sessions:
         if name == "curve":
@@ -306,6 +332,8 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         session = sessions_mod.build(name, config.shape, config.think_s, config.conversations)
         sizes = sessions_mod.token_sizes(session, count)
         notes = size_notes(config, pair, sizes)
+        if config.load_first_turn and session.concurrent:
+            notes.append("note: --load-first-turn applies to sequential sessions; this one runs on a quiet machine")
         progress(f"[{name}] sizes in the target's tokens: {sizes.describe()}")
         for note in notes:
             progress(f"[{name}] {note}")
