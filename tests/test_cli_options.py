@@ -92,6 +92,27 @@ def test_an_output_file_in_a_missing_directory_is_refused_before_the_run(
     assert "--json" in capsys.readouterr().err
 
 
+def test_the_adopter_benchs_out_file_in_a_missing_directory_is_refused_before_the_run(
+    no_work: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "missing" / "adopter.json"
+    assert cli.main(["bench", "adopter", "--host", "mlx_lm", "--no-openblas", "--out", str(out)]) == 2
+    assert f"--out {out}: directory" in capsys.readouterr().err
+
+
+def test_the_adopter_bench_on_mlx_lm_runs_on_openblas_unless_told_not_to(
+    no_work: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mlx_recovery_plugin.bench import adopter_mlx_lm
+
+    reexecs: list[bool] = []
+    monkeypatch.setattr("mlx_recovery_plugin.bench.openblas.reexec_with_openblas", lambda: reexecs.append(True))
+    monkeypatch.setattr(adopter_mlx_lm, "command", lambda args: 0)
+    assert cli.main(["bench", "adopter", "--host", "mlx_lm"]) == 0
+    assert cli.main(["bench", "adopter", "--host", "mlx_lm", "--no-openblas"]) == 0
+    assert reexecs == [True]
+
+
 def test_a_server_bench_host_that_is_not_installed_is_refused_before_the_run(
     no_work: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -264,6 +264,26 @@ def test_the_best_reachable_counts_a_later_turn_as_recovered_only_once_the_idle_
     assert "best reachable +0.10 s" in "\n".join(format_session(result))
 
 
+def test_with_a_loaded_first_turn_only_the_loaded_gap_counts_at_the_loaded_rate() -> None:
+    """The same session with its first turn and gap loaded: sparse off's loaded first
+    turn (900 tokens/s) rates the first gap only, and the quiet gaps go at the quiet rate
+    the balance measured (1,800 tokens/s): 5,400 + 10,800 tokens readable before turn 3
+    against 5,400 + 5,400 at the loaded rate throughout. With the second gap 8 s, turn 3
+    counts as recovered only at the quiet rate (5,400 + 7,200 >= 9,600)."""
+    result = SessionResult("agent", "test", budget_pct=50.0)
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0), (10200, 9600, 1.1)],
+            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0), (10200, 0, 3.2)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 0, 3.0), (10200, 9216, 1.2)]}
+    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    for arm in result.arms.values():
+        arm.steps[0].loaded = True
+    rec = result.arms["sparse_recovery"].steps
+    rec[0].idle_after_s, rec[1].idle_after_s = 12.0, 8.0
+    assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0 + 3.2)  # loaded rate throughout
+    result.dense_rate = 1800.0
+    assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0 + 1.1)
+
+
 # -- the real server -------------------------------------------------------------------
 
 

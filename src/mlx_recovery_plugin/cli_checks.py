@@ -6,7 +6,7 @@ calls :func:`check_options` on the parsed arguments of every command, before its
 handler; each check here looks at an option by its name, whichever command has it:
 
 - ``--plot FILE``: matplotlib is importable, and FILE's directory exists;
-- ``--json FILE`` (where it names a file): FILE's directory exists;
+- ``--json FILE`` (where it names a file) and ``--out FILE``: FILE's directory exists;
 - ``--model``, ``--draft``, ``--model-dir``: the directory exists (``--model`` and
   ``--draft`` may also name a known trained model: it is fetched, or the command to fetch
   it is said); ``bench server``: the options that choose its models go together
@@ -28,7 +28,7 @@ from pathlib import Path
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'mlx-recovery-plugin[plot]'"
 MODEL_DIR_OPTIONS = {"model": "--model", "draft": "--draft", "model_dir": "--model-dir"}
-OUTPUT_OPTIONS = {"plot": "--plot", "json": "--json"}
+OUTPUT_OPTIONS = {"plot": "--plot", "json": "--json", "out": "--out"}
 
 
 def module_available(name: str) -> bool:

@@ -36,6 +36,7 @@ from ..plugins import make_plugin_manager
 from ..settings import RecoverySettings
 from ..testing.block_pool import BlockPool
 from ..testing.detached_store import Admission, DetachedSet, DetachedStore
+from .openblas import add_openblas_flag, maybe_reexec
 
 ARMS = ("plain", "clone", "trim", "blocks")
 ADOPTER_ARMS = ("clone", "trim")
@@ -361,12 +362,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE",
                    help="mlx_lm: draw cached tokens per workload, snapshot bytes over the KV saved and the long run "
                         "as a PNG")
+    add_openblas_flag(p)
     p.set_defaults(func=_cmd_bench_adopter)
 
 
 def _cmd_bench_adopter(args: argparse.Namespace) -> int:
     if args.host == "mlx_lm":
         from .adopter_mlx_lm import command
+
+        maybe_reexec(args)  # its models prefill float32 (the mock store runs no model)
 
         args.block_size = args.block_size or 64
         return command(args)

@@ -6,7 +6,9 @@ conversation plus sparse off's later turns. The best reachable is the oracle lim
 what recovery can re-read in the idle time it had: a later turn counts at sparse off's
 time only once the dense rate (sparse off's first turn) times the budget times the idle
 time since the conversation's first turn covers the conversation's previous prompt, and
-at sparse on's time before that (per conversation, as if it had the idle time alone). In
+at sparse on's time before that (per conversation, as if it had the idle time alone);
+with ``--load-first-turn``, the loaded gap at the loaded first turn's rate and the quiet
+ones at the cost balance's rate (measured alone). In
 a concurrent session the idle time is the recovery arm's own: the time since the
 conversation's first answer during which no request was in flight, and the dense rate is
 the unqueued one the cost balance measured on the target alone (a dense prefill of the
@@ -125,7 +127,7 @@ def best_reachable_steps(
     unqueued dense prefill, for a concurrent session."""
     if not (len(off.steps) == len(on.steps) == len(rec.steps)):
         raise ValueError("arms served different numbers of steps")
-    idle_since, rate_of = _idle_and_rate(off, rec, dense_rate)
+    rereadable = _rereadable(off, rec, dense_rate)
     first: dict[str, int] = {}
     previous: dict[str, int] = {}
     out = []
@@ -135,20 +137,23 @@ def best_reachable_steps(
             first[conv] = index
             out.append(b.ttft_s)
         else:
-            readable = rate_of(first[conv]) * budget_pct / 100.0 * idle_since(first[conv], index)
+            readable = budget_pct / 100.0 * rereadable(first[conv], index)
             out.append(a.ttft_s if readable >= previous[conv] else b.ttft_s)
         previous[conv] = a.prompt_tokens
     return out
 
 
-def _idle_and_rate(
-    off: ArmRun, rec: ArmRun, dense_rate: float | None = None,
-) -> tuple[Callable[[int, int], float], Callable[[int], float]]:
-    """How much idle time the recovery arm had from step ``first`` (a conversation's first
-    turn) to step ``index``, and the dense rate to re-read it at. Turns one after another:
-    the think times in between, at the rate of that conversation's sparse-off first turn.
-    A concurrent session (every step timed): the time no request was in flight, at
-    ``dense_rate`` if given, else the fastest sparse-off first turn (the others queued)."""
+def _rereadable(off: ArmRun, rec: ArmRun, dense_rate: float | None = None) -> Callable[[int, int], float]:
+    """Tokens a dense pass could re-read in the idle time the recovery arm had from step
+    ``first`` (a conversation's first turn) to step ``index``, with the whole machine.
+
+    Turns one after another: each think time in between at the rate of that
+    conversation's sparse-off first turn; where a competing load ran through a step and
+    its gap (``--load-first-turn``), that gap at the rate of sparse off's loaded first turn
+    and the quiet gaps at ``dense_rate`` (the cost balance's, measured alone), as the
+    loaded first turn says nothing of a quiet machine. A concurrent session (every step
+    timed): the time no request was in flight, at ``dense_rate`` if given, else the
+    fastest sparse-off first turn (the others queued)."""
 
     def off_rate(i: int) -> float:
         return off.steps[i].prompt_tokens / max(off.steps[i].ttft_s, 1e-9)
@@ -159,8 +164,16 @@ def _idle_and_rate(
         fastest = max((off_rate(i) for i, a in enumerate(off.steps) if a.turn == 1 and not a.label), default=0.0)
         if dense_rate is not None:
             fastest = dense_rate
-        return (lambda first, index: _idle_seconds(busy, busy[first][1], busy[index][0])), (lambda first: fastest)
-    return (lambda first, index: sum(s.idle_after_s for s in rec.steps[first:index])), off_rate
+        return lambda first, index: fastest * _idle_seconds(busy, busy[first][1], busy[index][0])
+    loaded = [i for i, step in enumerate(off.steps) if step.loaded]
+    loaded_rate = off_rate(loaded[0]) if loaded else None
+
+    def sequential(first: int, index: int) -> float:
+        quiet = dense_rate if loaded and dense_rate is not None else off_rate(first)
+        return sum(s.idle_after_s * (loaded_rate if s.loaded and loaded_rate is not None else quiet)
+                   for s in rec.steps[first:index])
+
+    return sequential
 
 
 def _idle_seconds(busy: list[tuple[float, float]], start: float, end: float) -> float:
@@ -190,7 +203,8 @@ class SessionResult:
     token_sizes: dict[str, Any] | None = None  # sessions.TokenSizes as measured with the target's tokenizer
     sparse_hint: str = ""  # when the host's sparse route applies, for the note where it never did
     concurrent: bool = False  # conversations on their own schedules, every arm in real time
-    # Concurrent: tokens a second of an unqueued dense prefill (from the cost balance).
+    # Concurrent, or first turn loaded: tokens a second of an unqueued dense prefill on a
+    # quiet machine (from the cost balance).
     dense_rate: float | None = None
     repeats: list[RepeatPair] = field(default_factory=list)  # --repeats: every pair, the first included
 

@@ -345,7 +345,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         report.sessions.append(result)
     report.balance = _balance(config, pair, report.longest_prompt(), progress)
     for result in report.sessions:
-        if result.concurrent:
+        if result.concurrent or config.load_first_turn:
             first = min(result.token_sizes["first_turns"]) if result.token_sizes else 0
             result.dense_rate = dense_rate(report.balance, first)
     return report
