@@ -100,3 +100,19 @@ def test_one_run_has_no_repeats_and_the_bench_refuses_zero(tmp_path: Path, monke
     assert _config(build_parser().parse_args(["bench", "server", "--repeats", "3"]), tmp_path).repeats == 3
     with pytest.raises(ValueError, match="at least 1"):
         _config(build_parser().parse_args(["bench", "server", "--repeats", "0"]), tmp_path)
+
+
+def test_a_turn_slow_in_one_pair_only_does_not_decide_the_worst_later_turn_but_one_slow_in_all_does() -> None:
+    from mlx_recovery_plugin.bench.server.repeats import RepeatPair, repeats_summary, worst_turn_median
+
+    on = [10.0, 5.0, 5.0]
+    drift = [RepeatPair(11, "sparse_on", _arm("sparse_on", on, None), _arm("sparse_recovery", r, None))
+             for r in ([9.0, 5.0, 5.0], [9.0, 7.5, 5.0], [9.0, 5.0, 5.1])]  # turn 2 slow once (1.5x)
+    assert worst_turn_median(drift) == pytest.approx(1.0)
+    slow = [RepeatPair(11, "sparse_on", _arm("sparse_on", on, None), _arm("sparse_recovery", r, None))
+            for r in ([9.0, 6.0, 5.0], [9.0, 6.5, 5.0], [9.0, 6.0, 5.1])]  # turn 2 slow in every pair
+    assert worst_turn_median(slow) == pytest.approx(1.2)
+    assert repeats_summary(slow)["worst_later_turn_median_vs_on"] == pytest.approx(1.2)
+    concurrent = drift[:1] + [RepeatPair(12, "sparse_on", _arm("sparse_on", on[:2], None),
+                                         _arm("sparse_recovery", on[:2], None))]
+    assert worst_turn_median(concurrent) is None  # the pairs served different steps

@@ -88,6 +88,26 @@ def later_turns(runs: Sequence[ArmRun]) -> dict[str, float] | None:
     return spread([s.ttft_s for run in runs for s in run.steps if s.turn > 1 or s.label])
 
 
+def worst_turn_median(pairs: Sequence[RepeatPair]) -> float | None:
+    """Turns one after another (every pair served the same steps): each later turn's
+    ratio of recovery to sparse on, its median over the pairs, and the largest of these.
+    A turn that one pair served slowly by the machine's drift does not decide it; one that
+    recovery makes slower in every pair does. None where the pairs' steps differ (a
+    concurrent session's schedules) or there is no later turn."""
+    if len(pairs) < 2:
+        return None
+    keys = [[(s.conversation, s.turn, s.label) for s in p.sparse_on.steps] for p in pairs]
+    keys += [[(s.conversation, s.turn, s.label) for s in p.sparse_recovery.steps] for p in pairs]
+    if any(k != keys[0] for k in keys):
+        return None
+    medians = []
+    for i, (_conversation, turn, label) in enumerate(keys[0]):
+        if turn > 1 or label:
+            medians.append(statistics.median(
+                p.sparse_recovery.steps[i].ttft_s / max(p.sparse_on.steps[i].ttft_s, 1e-9) for p in pairs))
+    return max(medians) if medians else None
+
+
 def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
     """Every pair's figures and the spread of their ratios (None without repeats)."""
     if len(pairs) < 2:
@@ -99,6 +119,7 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "host_sparse_ratio": spread(host),
         "later_turns_s": {"sparse_on": later_turns([p.sparse_on for p in pairs]),
                           "sparse_recovery": later_turns([p.sparse_recovery for p in pairs])},
+        "worst_later_turn_median_vs_on": _round(worst_turn_median(pairs)),
     }
 
 
@@ -119,6 +140,9 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
         on, rec = turns["sparse_on"], turns["sparse_recovery"]
         lines.append(f"later turns over all repeats, s: sparse on median {on['median']:.2f} (max {on['max']:.2f}), "
                      f"on + recovery median {rec['median']:.2f} (max {rec['max']:.2f})")
+    worst = summary["worst_later_turn_median_vs_on"]
+    if worst is not None:
+        lines.append(f"worst later turn against sparse on, each turn's median over the pairs: {worst:.2f}x")
     for p in pairs:
         h = p.host_sparse_ratio()
         lines.append(
