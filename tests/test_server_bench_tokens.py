@@ -177,7 +177,7 @@ def _serve_with_a_watched_load(monkeypatch: pytest.MonkeyPatch, loads: list, fai
     monkeypatch.setattr(run_mod, "CompetingLoad", one_process_load)
     monkeypatch.setattr(run_mod, "send_turn", send_turn)
     config = BenchConfig(workdir=Path("."), load_first_turn=True, idle_wait_s=0.0)
-    session = sessions.agent(sessions.Shape(context_chars=50, turns=3), think_s=0.0)
+    session = sessions.agent(sessions.Shape(context_chars=50, turns=3), think_s=0.05)
     run = ArmRun("sparse_off")
     pair = ModelPair(Path("."), "target", "draft")
     run_mod._serve_in_order(config, pair, session, "sparse_off", _QuietLog(), None, lambda line: None, "t", run)
@@ -191,6 +191,8 @@ def test_the_first_turn_load_runs_through_the_first_turn_only_and_leaves_no_proc
     running, run = _serve_with_a_watched_load(monkeypatch, loads)
     assert running == [True, False, False]
     assert [step.loaded for step in run.steps] == [True, False, False]
+    # Sparse off waits only idle_wait_s (0 here) between turns, but the loaded gap in full.
+    assert [step.idle_after_s for step in run.steps] == [0.05, 0.0, 0.0]
     assert len(loads) == 1 and not loads[0].running
 
 

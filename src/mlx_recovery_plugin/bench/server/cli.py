@@ -63,8 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="loopback port (default: a free one per server)")
     p.add_argument("--load-first-turn", action="store_true",
                    help="a competing CPU load (a busy loop per core) from each arm's first turn until its second is "
-                   "sent: every arm's first turn, and the recovery arm's first think time, run on a loaded machine, "
-                   "the later turns on a quiet one (agent, interleaved, fork, gaps and curve sessions)")
+                   "sent, every arm waiting that first think time out: every arm's first turn and gap run on a loaded "
+                   "machine, the later turns on a quiet one (agent, interleaved, fork, gaps and curve sessions)")
     p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
     p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")

@@ -445,7 +445,7 @@ def format_report(report: BenchReport) -> str:
     ]
     if report.load_first_turn:
         lines.append("a competing CPU load (a busy loop per core) ran from each arm's first turn until its second "
-                     "was sent (sequential sessions): the recovery arm's first think time ran on a loaded machine")
+                     "was sent (sequential sessions), every arm waiting that first think time out in full")
     if report.balance is None:
         raise ValueError("the report has no cost balance (a missing measurement)")
     lines.append(report.balance["describe"])

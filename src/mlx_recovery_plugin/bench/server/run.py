@@ -186,7 +186,7 @@ def _serve_in_order(
 ) -> None:
     """One step after another on ``client``, each marked sparse or dense by the log; with
     ``config.load_first_turn``, a competing load runs from the first step until the second
-    is sent, and is stopped whatever happens."""
+    is sent (every arm waits that gap out in full), and is stopped whatever happens."""
     load = CompetingLoad() if config.load_first_turn else None
     try:
         _serve_steps(config, pair, session, arm, server, client, progress, tag, run, load)
@@ -212,7 +212,9 @@ def _serve_steps(
                             absent_cached_is_zero=zero)
         sparse = None if seen is None else (sparse_lines(config.host, server.log_text()) or 0) > seen
         last = index == len(session.steps) - 1
-        wait = step.think_s if arm == "sparse_recovery" else min(step.think_s, config.idle_wait_s)
+        # A loaded gap is waited out in every arm: what a machine is like after a minute
+        # of load (caches, clocks) is part of the next turn, whatever the arm.
+        wait = step.think_s if arm == "sparse_recovery" or loaded else min(step.think_s, config.idle_wait_s)
         progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
                  f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
                  f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
