@@ -450,3 +450,18 @@ def make_client_for(server: ServerProcess) -> object:
     from mlx_recovery_plugin.bench.server.client import make_client
 
     return make_client(server.base_url)
+
+
+def test_a_turn_recovery_did_restore_counts_as_reachable_whatever_the_rate_rule_says() -> None:
+    """Sparse off's first prefill rates the rule at 900 tokens/s, so 12 s at 50 % re-read
+    5,400 tokens and turn 2 (9,000 to cover) is out of reach by it; but recovery's slices
+    ran faster and turn 2 came back with sparse off's cached tokens: it was reachable."""
+    result = SessionResult("agent", "test", budget_pct=50.0)
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0)],
+            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 8704, 1.2)]}
+    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    result.arms["sparse_recovery"].steps[0].idle_after_s = 12.0
+    assert result.sums()["best_reachable"] == pytest.approx(2.0 + 1.0)
+    result.arms["sparse_recovery"].steps[1].cached_tokens = 8704 - 512  # two blocks short: not reached
+    assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0)

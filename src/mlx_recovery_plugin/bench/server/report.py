@@ -6,7 +6,9 @@ conversation plus sparse off's later turns. The best reachable is the oracle lim
 what recovery can re-read in the idle time it had: a later turn counts at sparse off's
 time only once the dense rate (sparse off's first turn) times the budget times the idle
 time since the conversation's first turn covers the conversation's previous prompt, and
-at sparse on's time before that (per conversation, as if it had the idle time alone);
+at sparse on's time before that (per conversation, as if it had the idle time alone); a
+turn where recovery did restore about as much as sparse off had cached counts as
+reachable whatever the rate says (the slices can outrun the server's first prefill);
 with ``--load-first-turn``, the loaded gap at the loaded first turn's rate and the quiet
 ones at the cost balance's rate (measured alone). In
 a concurrent session the idle time is the recovery arm's own: the time since the
@@ -34,6 +36,10 @@ from .repeats import RepeatPair, repeat_lines, repeats_summary
 
 ORACLE = "oracle"
 BEST = "best_reachable"
+# A later turn whose cached tokens with recovery came within this of sparse off's was
+# reachable, whatever the rate rule says (a block of oMLX's): recovery's slices can run
+# faster than the server's own first prefill that rates the rule.
+REACHED_SLACK_TOKENS = 256
 # Status fields worth a line in the report; any per-engine field about the publish
 # policy or a stand-down is added as it comes.
 _ENGINE_KEYS = ("policy", "stand", "reason", "refusal")
@@ -122,7 +128,8 @@ def best_reachable_steps(
     off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float, dense_rate: float | None = None,
 ) -> list[float]:
     """Per step: the oracle's time once recovery could have re-read the conversation's
-    previous prompt in the idle time the recovery arm had since its first turn, sparse
+    previous prompt in the idle time the recovery arm had since its first turn (or did:
+    its cached tokens came within :data:`REACHED_SLACK_TOKENS` of sparse off's), sparse
     on's before (see the module docstring). ``dense_rate``: tokens a second of an
     unqueued dense prefill, for a concurrent session."""
     if not (len(off.steps) == len(on.steps) == len(rec.steps)):
@@ -138,7 +145,8 @@ def best_reachable_steps(
             out.append(b.ttft_s)
         else:
             readable = budget_pct / 100.0 * rereadable(first[conv], index)
-            out.append(a.ttft_s if readable >= previous[conv] else b.ttft_s)
+            reached = a.cached_tokens > 0 and rec.steps[index].cached_tokens >= a.cached_tokens - REACHED_SLACK_TOKENS
+            out.append(a.ttft_s if readable >= previous[conv] or reached else b.ttft_s)
         previous[conv] = a.prompt_tokens
     return out
 
