@@ -465,3 +465,17 @@ def test_a_turn_recovery_did_restore_counts_as_reachable_whatever_the_rate_rule_
     assert result.sums()["best_reachable"] == pytest.approx(2.0 + 1.0)
     result.arms["sparse_recovery"].steps[1].cached_tokens = 8704 - 512  # two blocks short: not reached
     assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0)
+
+
+def test_where_the_recovered_turn_is_slower_than_sparse_the_best_reachable_keeps_sparse_ons() -> None:
+    """An attention-bound target: the whole prefix was reachable, but the dense turn over
+    it (4.0 s) is slower than the sparse rerun (3.0 s); the best a policy could do there is
+    to leave it unpublished."""
+    result = SessionResult("agent", "test", budget_pct=50.0)
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 4.0)],
+            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 0, 3.1)]}
+    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    result.arms["sparse_recovery"].steps[0].idle_after_s = 100.0
+    assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0)
+    assert result.sums()["oracle"] == pytest.approx(2.0 + 4.0)

@@ -129,8 +129,9 @@ def best_reachable_steps(
 ) -> list[float]:
     """Per step: the oracle's time once recovery could have re-read the conversation's
     previous prompt in the idle time the recovery arm had since its first turn (or did:
-    its cached tokens came within :data:`REACHED_SLACK_TOKENS` of sparse off's), sparse
-    on's before (see the module docstring). ``dense_rate``: tokens a second of an
+    its cached tokens came within :data:`REACHED_SLACK_TOKENS` of sparse off's), or sparse
+    on's where that is faster (a policy may leave a prefix unpublished); sparse on's
+    before (see the module docstring). ``dense_rate``: tokens a second of an
     unqueued dense prefill, for a concurrent session."""
     if not (len(off.steps) == len(on.steps) == len(rec.steps)):
         raise ValueError("arms served different numbers of steps")
@@ -146,7 +147,8 @@ def best_reachable_steps(
         else:
             readable = budget_pct / 100.0 * rereadable(first[conv], index)
             reached = a.cached_tokens > 0 and rec.steps[index].cached_tokens >= a.cached_tokens - REACHED_SLACK_TOKENS
-            out.append(a.ttft_s if readable >= previous[conv] or reached else b.ttft_s)
+            # Reachable: the faster route (a policy may leave a prefix unpublished).
+            out.append(min(a.ttft_s, b.ttft_s) if readable >= previous[conv] or reached else b.ttft_s)
         previous[conv] = a.prompt_tokens
     return out
 
