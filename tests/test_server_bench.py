@@ -230,6 +230,12 @@ def _arm(arm: str, rows: list[tuple[int, int, float]]) -> ArmRun:
     return run
 
 
+def _session(rows: dict[str, list[tuple[int, int, float]]]) -> SessionResult:
+    result = SessionResult("agent", "test", budget_pct=50.0)
+    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    return result
+
+
 def test_the_report_gives_the_oracle_and_signed_differences() -> None:
     result = SessionResult("agent", "test")
     result.arms = {
@@ -456,11 +462,9 @@ def test_a_turn_recovery_did_restore_counts_as_reachable_whatever_the_rate_rule_
     """Sparse off's first prefill rates the rule at 900 tokens/s, so 12 s at 50 % re-read
     5,400 tokens and turn 2 (9,000 to cover) is out of reach by it; but recovery's slices
     ran faster and turn 2 came back with sparse off's cached tokens: it was reachable."""
-    result = SessionResult("agent", "test", budget_pct=50.0)
-    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0)],
-            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
-            "sparse_recovery": [(9000, 0, 2.0), (9600, 8704, 1.2)]}
-    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    result = _session({"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0)],
+                       "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
+                       "sparse_recovery": [(9000, 0, 2.0), (9600, 8704, 1.2)]})
     result.arms["sparse_recovery"].steps[0].idle_after_s = 12.0
     assert result.sums()["best_reachable"] == pytest.approx(2.0 + 1.0)
     result.arms["sparse_recovery"].steps[1].cached_tokens = 8704 - 512  # two blocks short: not reached
@@ -471,11 +475,9 @@ def test_where_the_recovered_turn_is_slower_than_sparse_the_best_reachable_keeps
     """An attention-bound target: the whole prefix was reachable, but the dense turn over
     it (4.0 s) is slower than the sparse rerun (3.0 s); the best a policy could do there is
     to leave it unpublished."""
-    result = SessionResult("agent", "test", budget_pct=50.0)
-    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 4.0)],
-            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
-            "sparse_recovery": [(9000, 0, 2.0), (9600, 0, 3.1)]}
-    result.arms = {arm: _arm(arm, r) for arm, r in rows.items()}
+    result = _session({"sparse_off": [(9000, 0, 10.0), (9600, 8704, 4.0)],
+                       "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0)],
+                       "sparse_recovery": [(9000, 0, 2.0), (9600, 0, 3.1)]})
     result.arms["sparse_recovery"].steps[0].idle_after_s = 100.0
     assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0)
     assert result.sums()["oracle"] == pytest.approx(2.0 + 4.0)
