@@ -57,6 +57,10 @@ def scheduler_cleanup_finished(life: Any, original: Fn, originals: Mapping[str, 
         ids = list(finished_ids or ()) if record is not None else []
         served = []
         if record is not None:
+            # A request can finish in the step that made its first token (one token asked
+            # for, or an end of sequence at once): time its prefill now, while it is still
+            # in ``running``, or it would depart unreported.
+            life.safe(life.note_first_tokens, record, scheduler)
             # Read before the original drops the finished requests from ``running``.
             for rid in ids:
                 event = life.safe(life.sparse_served, record, scheduler, rid)

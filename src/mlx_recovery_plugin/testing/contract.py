@@ -203,6 +203,17 @@ class EventOrderTests(_ContractBase):
             (event,) = [e for e in event_recorder.prefills if e.request_id == sparse]
             assert event.route is Route.SPARSE
 
+    def test_a_request_that_finishes_at_its_first_token_is_still_reported_prefilled(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        """One token asked for (or an end of sequence at once): the request finishes in
+        the step that prefilled it, and its prefill is reported all the same, once."""
+        host = contract_host
+        for seed in (31, 32, 33):
+            rid, _ = self.serve(host, self.prompt(host, 2.5, seed=seed), max_tokens=1)
+            events = [e for e in event_recorder.prefills if e.request_id == rid]
+            assert len(events) == 1 and events[0].prefill_s >= 0, (seed, events)
+
     def test_a_sparse_prefill_is_timed_without_its_wait_behind_another(
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:
