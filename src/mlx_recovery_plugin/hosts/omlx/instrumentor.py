@@ -14,8 +14,10 @@ of a scheduler
 ``EngineCore.add_request``,            ``request_arrived``, once, at the earlier of the two
 ``Scheduler.add_request``              (event-loop thread / engine thread)
 ``Scheduler._schedule_waiting``        ``request_admitted`` (engine thread)
-``Scheduler._cleanup_finished``        ``sparse_route_served`` for sparse-route requests,
-                                       then ``request_departed`` finished (engine thread)
+``Scheduler._cleanup_finished``        ``request_prefilled`` for a request that finished in
+                                       its prefill step, ``sparse_route_served`` for
+                                       sparse-route requests, then ``request_departed``
+                                       finished (engine thread)
 ``Scheduler._do_abort_request``        ``request_aborted`` + ``request_departed`` aborted
 ``EngineCore.abort_all_requests``      ``engine_aborted_all`` (engine thread, next step)
 ``Scheduler.fail_all_requests``        ``engine_failed_all`` with the step's error +

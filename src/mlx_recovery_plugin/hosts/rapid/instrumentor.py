@@ -15,7 +15,9 @@ scheduler
 ``EngineCore.add_request``,                  ``request_arrived``, once, at the earlier of the
 ``Scheduler.add_request``                    two (event-loop thread / mlx-step thread)
 ``Scheduler._schedule_waiting``              ``request_admitted`` (mlx-step thread)
-``Scheduler._cleanup_finished``              ``sparse_route_served`` for PFlash-compressed
+``Scheduler._cleanup_finished``              ``request_prefilled`` for a request that
+                                             finished in its prefill step,
+                                             ``sparse_route_served`` for PFlash-compressed
                                              requests, with the original prompt, then
                                              ``request_departed`` finished (mlx-step thread)
 ``Scheduler._do_abort_request``              ``request_aborted`` + ``request_departed`` aborted
