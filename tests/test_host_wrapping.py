@@ -18,6 +18,7 @@ class Life:
         self.departed: list[str] = []
         self.admissions: list[list[str]] = []
         self.faults = 0
+        self.first_token_looks = 0  # before departures: a request may finish in its prefill step
 
     def get(self, scheduler: Any) -> Any:
         return self.record
@@ -34,6 +35,9 @@ class Life:
 
     def sparse_served(self, record: Any, scheduler: Any, rid: str) -> None:
         return None
+
+    def note_first_tokens(self, record: Any, scheduler: Any) -> None:
+        self.first_token_looks += 1
 
     def depart(self, record: Any, rid: str, reason: DepartureReason) -> None:
         self.departed.append(rid)
@@ -54,6 +58,7 @@ def test_cleanup_finished_hands_an_iterator_of_ids_to_the_host_intact() -> None:
     assert cleanup(object(), iter(["a", "b"])) == "done"
     assert host_saw == [["a", "b"]], "the host must see every finished id"
     assert life.departed == ["a", "b"]
+    assert life.first_token_looks == 1 and life.faults == 0
 
 
 def test_schedule_waiting_survives_a_waiting_queue_it_cannot_read() -> None:
