@@ -211,10 +211,13 @@ def test_held_blocks_are_given_back_when_recovery_is_switched_off(rigs) -> None:
     for _ in range(3):
         rig.engine.offer_idle_step()
     assert rig.status()["jobs"][0]["held_tokens"] == 320
+    assert rig.plugin.status()["process"]["tokens_held"] == 320
+    assert rig.plugin.counters()["mlx_recovery_held_tokens:e"] == 320
     rig.plugin.set_budget(0.0)
     rig.idle(until=rig.clock() + 100.0)
     status = rig.status()
     assert status["jobs"][0]["held_tokens"] == 0 and status["counters"]["held_blocks_dropped"] == 320 // 64
+    assert rig.plugin.status()["process"]["tokens_held"] == 0
 
 
 def test_held_blocks_are_given_back_under_memory_pressure(loaded) -> None:

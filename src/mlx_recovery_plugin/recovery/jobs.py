@@ -86,8 +86,9 @@ class RecoveryJob:
     ``stood_down`` is the reason recovery stopped working on the job because no prefix of
     it would pay; ``paused`` the reason it waits on the job (its held blocks kept) because
     the verdict on its whole prefix is not clear either way on evidence that already
-    reaches that far, so more of its slices would only be held. What the host said of the conversation's sparse route is the publish
-    policy's memory, not the job's (:class:`~.judge.PublishJudge`).
+    reaches that far, so more of its slices would only be held. What the host said of the
+    conversation's sparse route is the publish policy's memory, not the job's
+    (:class:`~.judge.PublishJudge`).
 
     The fields change only through the methods below, called by the job's book or by its
     engine's recovery service under the service's lock.
@@ -108,8 +109,9 @@ class RecoveryJob:
     paused: str | None = None
     #: The policy's evidence when the job paused: more evidence resumes it.
     paused_evidence: int = 0
-    #: A turn arrived since the last slice: the next slice runs before any stand-down, so
-    #: the verdict is taken on a measurement of today's machine at the job's frontier.
+    #: A turn arrived since the last slice: the next slice runs before any stand-down or
+    #: pause, so the verdict is taken on a measurement of today's machine at the job's
+    #: frontier.
     fresh_turn: bool = False
     #: The policy's evidence when the held blocks were last judged.
     held_evidence: int = 0

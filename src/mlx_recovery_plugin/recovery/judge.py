@@ -234,12 +234,6 @@ class PublishJudge:
         self._status = self._build_status()
         return decision
 
-    def stand_down_reason(self, job: RecoveryJob) -> str | None:
-        """Why ``job`` should not be worked on at all (not even its whole prefix would pay),
-        or None. Judged only once the dense cost is known."""
-        decision = self.before_work(job)
-        return decision.reason if decision is not None and decision.verdict is Verdict.STAND_DOWN else None
-
     def before_work(self, job: RecoveryJob) -> Decision | None:
         """The verdict on ``job``'s whole prefix, taken before more of it is run: a
         stand-down, or a hold that more slices would not change (:attr:`Decision.settled`),

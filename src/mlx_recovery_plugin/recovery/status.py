@@ -111,6 +111,11 @@ class EngineStatus:
     def debt(self) -> int:
         return sum(job.debt for job in self.jobs)
 
+    @property
+    def held_tokens(self) -> int:
+        """Finished tokens the publish policy holds back: neither committed nor lost."""
+        return sum(job.held_tokens for job in self.jobs)
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["jobs"] = [asdict(job) for job in self.jobs]
@@ -141,8 +146,7 @@ class ProcessStatus:
             "debt": self.debt,
             "tokens_recovered": sum(e.counters.tokens_recovered for e in self.engines),
             "tokens_run": sum(e.counters.tokens_run for e in self.engines),
-            # Finished but held back by the publish policy: neither committed nor lost.
-            "tokens_held": sum(job.held_tokens for e in self.engines for job in e.jobs),
+            "tokens_held": sum(e.held_tokens for e in self.engines),
             "slices": sum(e.counters.slices for e in self.engines),
             "faults": faults,
             "budget_share_used": self.budget.get("share_used", 0.0),
@@ -185,7 +189,7 @@ def export_counters(status: ProcessStatus) -> dict[str, float]:
         out[f"{COUNTER_PREFIX}slice_seconds_total{tag}"] = c.slice_seconds
         out[f"{COUNTER_PREFIX}jobs{tag}"] = float(len(engine.jobs))
         out[f"{COUNTER_PREFIX}debt_tokens{tag}"] = float(engine.debt)
-        out[f"{COUNTER_PREFIX}held_tokens{tag}"] = float(sum(job.held_tokens for job in engine.jobs))
+        out[f"{COUNTER_PREFIX}held_tokens{tag}"] = float(engine.held_tokens)
         for kind, n in c.faults.items():
             out[f"{COUNTER_PREFIX}faults_total{tag}:{kind}"] = float(n)
     return out

@@ -78,8 +78,8 @@ class BenchConfig:
     start_timeout_s: float = 180.0
     host: ServerHost = OMLX  # which server serves (an oMLX-family member, or rapid-mlx)
     # A competing CPU load from each arm's first turn until its second is sent (sequential
-    # sessions): the first turn of every arm, and the recovery arm's first think time,
-    # run on a loaded machine, the later turns on a quiet one: --load-first-turn.
+    # sessions), every arm waiting that first think time out: every arm's first turn and
+    # gap run on a loaded machine, the later turns on a quiet one: --load-first-turn.
     load_first_turn: bool = False
 
 
