@@ -96,9 +96,12 @@ def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Pa
 
 def test_the_competing_load_starts_once_and_stops_in_place() -> None:
     load = CompetingLoad(1)
-    load.start()
-    first = list(load._children)
-    load.start()  # already running: no second set of loops
-    assert load.running and load._children == first and first[0].poll() is None
-    load.stop()
-    assert not load.running and first[0].returncode is not None
+    try:
+        load.start()
+        first = list(load._children)
+        load.start()  # already running: no second set of loops
+        assert load.running and load._children == first and first[0].poll() is None
+        load.stop()
+        assert not load.running and first[0].returncode is not None
+    finally:
+        load.stop()

@@ -184,10 +184,20 @@ def _serve_with_a_watched_load(monkeypatch: pytest.MonkeyPatch, loads: list, fai
     return running_at_send, run
 
 
-def test_the_first_turn_load_runs_through_the_first_turn_only_and_leaves_no_process(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def watched_loads():
+    """The loads a test starts; stopped after it whatever it found, so a failing test
+    leaves no busy loop behind to slow the tests after it."""
     loads: list = []
+    yield loads
+    for load in loads:
+        load.stop()
+
+
+def test_the_first_turn_load_runs_through_the_first_turn_only_and_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch, watched_loads: list,
+) -> None:
+    loads = watched_loads
     running, run = _serve_with_a_watched_load(monkeypatch, loads)
     assert running == [True, False, False]
     assert [step.loaded for step in run.steps] == [True, False, False]
@@ -196,8 +206,8 @@ def test_the_first_turn_load_runs_through_the_first_turn_only_and_leaves_no_proc
     assert len(loads) == 1 and not loads[0].running
 
 
-def test_the_first_turn_load_is_stopped_when_a_turn_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    loads: list = []
+def test_the_first_turn_load_is_stopped_when_a_turn_fails(monkeypatch: pytest.MonkeyPatch, watched_loads: list) -> None:
+    loads = watched_loads
     with pytest.raises(RuntimeError, match="went away"):
         _serve_with_a_watched_load(monkeypatch, loads, fail_at=1)
     assert len(loads) == 1 and not loads[0].running
