@@ -426,6 +426,29 @@ def test_the_conversation_whose_recovery_saves_most_is_worked_first_not_the_late
     assert rig.restorable(slow) == 960 and rig.restorable(cheap) == 960
 
 
+def test_a_conversation_begun_is_finished_before_one_served_after_it(rigs) -> None:
+    # A partial prefix is held back (the next turn would stay sparse), so idle time spread
+    # over two conversations restores neither; one at a time restores the first.
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    first, second = random_tokens(31, PROMPT), random_tokens(32, PROMPT)
+    rig.served(first, threshold=5000, prefill_s=20.0)
+    first_id = rig.status()["jobs"][0]["job_id"]
+    for _ in range(2):
+        assert rig.engine.offer_idle_step() == [True]
+    held = rig.status()["jobs"][0]["held_tokens"]
+    # Under half done: per token still to run, the first saves under twice the second's.
+    assert 0 < held < 960 // 2 and rig.restorable(first) == 0
+    rig.served(second, threshold=5000, prefill_s=20.0)  # as costly, and the latest
+    for _ in range(40):
+        if rig.restorable(first) or rig.restorable(second):
+            break
+        assert rig.engine.offer_idle_step() == [True]
+        assert rig.status()["live_job_id"] in (first_id, None)
+    assert rig.restorable(first) == 960 and rig.restorable(second) == 0
+    rig.idle(until=rig.clock() + 300.0)
+    assert rig.restorable(second) == 960
+
+
 def test_a_conversation_long_gone_yields_to_one_just_served(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     old, new = random_tokens(29, PROMPT), random_tokens(30, PROMPT)

@@ -67,9 +67,12 @@ PARK_MAX_ATTEMPTS = 5
 RELEASE_RETRY_S = 1.0
 # How long a cancellation from another thread waits for a running slice to stop.
 CANCEL_WAIT_S = 2.0
-# An older conversation is worked before a more recent one only if its recovery is
-# expected to save at least this many times as much per token of work.
+# The job in hand (else the most recently served) yields to another only if that one's
+# recovery is expected to save at least this many times as much per token of work.
 CLEARLY_MORE = 2.0
+# Whether the job in hand is the one to beat (the lab's order bench turns it off for its
+# pure-recency arm).
+FINISH_IN_HAND = True
 
 
 class EngineRecovery:
@@ -120,6 +123,9 @@ class EngineRecovery:
             count_fault=self._count_fault,
         )
         self._refusals = HostRefusalWatch()
+        # The job the last slice was for: worked on until it is done unless another saves
+        # clearly more (engine thread only).
+        self._in_hand: int | None = None
         self._max_held_bytes = int(settings.max_held_mib * 2**20)
 
     @property
@@ -272,6 +278,7 @@ class EngineRecovery:
             return self._refused(decision.reason or Refusal.HOST_ERROR)
         if not self._budget.try_claim(self.engine_id):
             return self._refused(Refusal.CLAIM_TAKEN)
+        self._in_hand = job.job_id
 
         def should_stop() -> bool:
             return self._cancel.stop_requested() or self._arrivals() != arrivals
@@ -487,14 +494,22 @@ class EngineRecovery:
             log.info("mlx-recovery: engine %s: %d held block(s) dropped (%s)", self.engine_id, dropped, reason.value)
 
     def _most_worth_it(self, now: float) -> RecoveryJob | None:
-        """Under ``_lock``: the most recently served runnable job, unless another is
-        expected to save clearly more per token of work (the policy's estimate): timings
-        of like conversations differ by noise, and recency is the better guess then."""
+        """Under ``_lock``: the job in hand (the one the last slice was for), else the most
+        recently served runnable job, unless another is expected to save clearly more per
+        token of work (the policy's estimate). Timings of like conversations differ by
+        noise, so the estimate alone would flit between them; and a prefix is worth little
+        until it is whole (the policy holds a partial one back), so idle time spread over
+        several conversations finishes none, where finished one at a time each finished
+        one is restored from then on."""
         candidates = self.book.runnable(now)
         if not candidates:
             return None
-        best, best_saving = candidates[0], self.judge.expected_saving(candidates[0], now)
-        for job in candidates[1:]:
+        in_hand = self._in_hand if FINISH_IN_HAND else None
+        best = next((job for job in candidates if job.job_id == in_hand), candidates[0])
+        best_saving = self.judge.expected_saving(best, now)
+        for job in candidates:
+            if job is best:
+                continue
             saving = self.judge.expected_saving(job, now)
             if saving > CLEARLY_MORE * best_saving:
                 best, best_saving = job, saving
