@@ -499,8 +499,8 @@ class EngineRecovery:
         token of work (the policy's estimate). Timings of like conversations differ by
         noise, so the estimate alone would flit between them; and a prefix is worth little
         until it is whole (the policy holds a partial one back), so idle time spread over
-        several conversations finishes none, where finished one at a time each finished
-        one is restored from then on."""
+        several conversations finishes none, while worked one at a time each conversation
+        finished is restored from then on."""
         candidates = self.book.runnable(now)
         if not candidates:
             return None
