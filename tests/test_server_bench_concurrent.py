@@ -152,6 +152,23 @@ def test_the_best_reachable_of_a_concurrent_session_counts_only_time_with_no_req
     assert result.sums()["best_reachable"] == pytest.approx(10.1)
 
 
+def test_the_worst_later_turn_no_queue_touched_leaves_out_turns_that_queued_in_either_arm() -> None:
+    """B's turn 2 arrived while A's was in flight in the recovery arm and took 3x sparse
+    on's: the worst later turn says 3x, the worst of those no other request touched (A's
+    turn 2 and B's turn 3, alone in both arms) says 1.05x."""
+    on = [("A", 1, 0.0, 5.0, 5.0), ("B", 1, 10.0, 5.0, 15.0), ("A", 2, 20.0, 4.0, 24.0),
+          ("B", 2, 30.0, 2.0, 32.0), ("B", 3, 40.0, 2.0, 42.0)]
+    rec = [("A", 1, 0.0, 5.0, 5.0), ("B", 1, 10.0, 5.0, 15.0), ("A", 2, 20.0, 4.2, 31.0),
+           ("B", 2, 30.0, 6.0, 36.0), ("B", 3, 40.0, 2.0, 42.0)]
+    arms = {}
+    for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec)):
+        arms[arm] = ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
+                                        for i, (c, t, sent, ttft, done) in enumerate(rows)])
+    result = SessionResult("concurrent", "test", arms, concurrent=True)
+    assert result.worst_later_turn() == pytest.approx(3.0)
+    assert result.worst_later_turn(alone_only=True) == pytest.approx(1.05)
+
+
 def test_an_unqueued_dense_rate_lets_the_best_reachable_count_turns_the_queued_rate_would_not() -> None:
     """Sparse off's first turns queued behind each other (9,000 tokens in 18 s and 27 s: at
     most 500 tokens/s); with the balance's unqueued rate of 2,000 tokens/s, A's 12 idle

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..events import DepartureReason, RequestArrived, RequestDeparted, RequestPrefilled
+from .prefill_shares import PrefillShares
 
 if TYPE_CHECKING:
     from ..plugins import HookEmitter
@@ -45,21 +46,26 @@ class LiveRequest:
     #: Seconds the host spent inside its scheduler's ``add_request`` for it (oMLX scores
     #: a sparse prompt with its draft there, before the request queues).
     door_s: float = 0.0
+    #: The engine's :class:`PrefillShares` clock at its admission, and its share of the
+    #: host's time from there to its first token (None: not admitted, or not there yet).
+    share_from: float | None = None
+    share_s: float | None = None
 
     def prefill_began(self) -> float | None:
         """When its prefill began: its admission, else (not seen) its arrival."""
         return self.admitted_at if self.admitted_at is not None else self.arrived_at
 
     def prefill_seconds(self, sparse: bool) -> float | None:
-        """Its prefill's own time, without the wait behind other requests: from admission
-        to the first token, plus (sparse) the route's work at the door. A request whose
-        admission was not seen is timed from its arrival, the wait included."""
+        """Its prefill's own time, without the wait behind other requests nor the steps
+        it shared with other prefills: its share of the host's time from admission to the
+        first token, plus (sparse) the route's work at the door. A request whose admission
+        was not seen is timed from its arrival, the wait included."""
         if self.first_token_at is None:
             return None
         if self.admitted_at is None:
             return None if self.arrived_at is None else max(0.0, self.first_token_at - self.arrived_at)
-        own = self.first_token_at - self.admitted_at + (self.door_s if sparse else 0.0)
-        return max(0.0, own)
+        share = self.share_s if self.share_s is not None else self.first_token_at - self.admitted_at
+        return max(0.0, share + (self.door_s if sparse else 0.0))
 
 
 @dataclass(slots=True)
@@ -73,6 +79,40 @@ class EngineRecord:
     live: dict[str, LiveRequest] = field(default_factory=dict)
     pending_arrivals: int = 0
     attached: bool = False
+    shares: PrefillShares = field(default_factory=PrefillShares)
+
+    def prefills_in_flight(self) -> int:
+        """Admitted requests whose first token has not come (under ``lock``)."""
+        return sum(1 for live in self.live.values() if live.share_from is not None and live.share_s is None)
+
+    def share_clock(self, now: float) -> float:
+        """The prefill-share clock at ``now`` (under ``lock``, before any change at ``now``)."""
+        return self.shares.read(now, self.prefills_in_flight())
+
+    def mark_admitted(self, live: LiveRequest, at: float) -> None:
+        """``live``'s prefill began at ``at`` (under ``lock``)."""
+        live.admitted, live.admitted_at = True, at
+        live.share_from = self.share_clock(at)
+
+    def mark_first_token(self, live: LiveRequest, now: float) -> None:
+        """``live``'s first token came at ``now`` (under ``lock``)."""
+        live.first_token_at = now
+        if live.share_from is not None and live.share_s is None:
+            live.share_s = max(0.0, self.share_clock(now) - live.share_from)
+
+    def seen_prefilled(self, request_id: str, now: float) -> LiveRequest | None:
+        """A copy of the request's record with its prefill ended at ``now`` if its first
+        token has not been seen (it finished in that step); the live one is unchanged
+        (under ``lock``)."""
+        live = self.live.get(request_id)
+        if live is None:
+            return None
+        seen = replace(live)
+        if seen.first_token_at is None:
+            seen.first_token_at = now
+            if seen.share_from is not None:
+                seen.share_s = max(0.0, self.share_clock(now) - seen.share_from)
+        return seen
 
 
 class EngineBook:
@@ -195,16 +235,22 @@ class EngineBook:
 
     def note_door(self, record: EngineRecord, request_id: str, seconds: float) -> None:
         """The host's scheduler spent ``seconds`` taking ``request_id`` in."""
+        now = self._clock()
         with record.lock:
+            # The door ran on the step thread: no prefill in flight advanced meanwhile.
+            record.shares.skip(now - max(0.0, seconds), now, record.prefills_in_flight())
             live = record.live.get(request_id)
             if live is not None:
                 live.door_s += max(0.0, seconds)
 
     def depart(self, record: EngineRecord, request_id: str, reason: DepartureReason) -> None:
         """Report a departure of a request that arrived and has not departed yet."""
+        now = self._clock()
         with record.lock:
-            if record.live.pop(request_id, None) is None:
+            if request_id not in record.live:
                 return
+            record.share_clock(now)  # its share of the time so far, before it leaves the count
+            del record.live[request_id]
         self.emitter.request_departed(
             RequestDeparted(engine_id=record.engine_id, request_id=request_id, reason=reason),
         )
@@ -225,7 +271,7 @@ class EngineBook:
             with record.lock:
                 live = record.live.get(rid)
                 if live is not None and live.first_token_at is None:
-                    live.first_token_at = now
+                    record.mark_first_token(live, now)
                     prefilled.append((rid, replace(live)))  # a copy: read outside the lock
         for rid, seen in prefilled:
             event = self.safe(self.prefill_event, record, scheduler, rid, seen)

@@ -233,6 +233,25 @@ class EventOrderTests(_ContractBase):
         assert all(e.route is Route.SPARSE and e.prefill_s is not None for e in events)
         assert sum(e.prefill_s for e in events) <= wall
 
+    def test_prefills_run_side_by_side_are_each_charged_their_share(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        """Three long prompts arrive together and the host prefills them in the same steps
+        (oMLX admits them in one call and prefills each in turn; the mock host advances
+        each by a chunk per step): each is reported at its share of those steps, so the
+        three add up to no more than the time all took. Timed from admission, each would
+        count the others' work as its own, and recovery would learn a sparse rerun three
+        times as dear as it is."""
+        host = contract_host
+        started = time.perf_counter()
+        ids = [host.submit(self.prompt(host, 6.5, seed=seed), max_tokens=2) for seed in (41, 42, 43)]
+        host.run_until_idle()
+        wall = time.perf_counter() - started
+        events = [e for e in event_recorder.prefills if e.request_id in ids]
+        assert sorted(e.request_id for e in events) == sorted(ids)
+        assert all(e.route is Route.DENSE and e.prefill_s > 0 for e in events), events
+        assert sum(e.prefill_s for e in events) <= wall, ([e.prefill_s for e in events], wall)
+
     def test_aborted_request_reports_abort_then_departs_aborted(
         self, contract_host: ContractHost, event_recorder: EventRecorder
     ) -> None:

@@ -48,6 +48,7 @@ from ..events import (
     Route,
     SparseRouteServed,
 )
+from ..hosts.prefill_shares import PrefillShares
 from ..kvcodec import UnsupportedCacheError, blocks_from_cache, cache_from_blocks
 from ..plugins import HookEmitter
 from .block_pool import BlockPool
@@ -110,6 +111,7 @@ class MockEngine:
         self.draft = draft
         self._block_size = block_size
         self._prefill_step = prefill_step
+        self._shares = PrefillShares()  # each prefill's share of the steps; under _cond
         self.sparse_threshold = sparse_threshold
         self.sparse_keep = sparse_keep
         self.max_running = max_running
@@ -408,8 +410,17 @@ class MockEngine:
         with self._cond:
             return list(self._waiting) + list(self._running)
 
+    def _share_clock(self, now: float, besides: EngineRequest | None = None) -> float:
+        """The prefill-share clock at ``now``: the running prefills (all but ``besides``,
+        not yet counted) each advanced by their share since the last reading."""
+        with self._cond:  # a reset may drain from another thread
+            in_flight = sum(1 for r in self._running if r.phase in (SCORING, PREFILL) and r is not besides)
+            return self._shares.read(now, in_flight)
+
     def _clean_up(self, req: EngineRequest, reason: DepartureReason) -> None:
         """First phase of departure: drop the request's state; final removal next step."""
+        if req.phase in (SCORING, PREFILL):
+            self._share_clock(self.clock())  # its share so far, before it leaves the count
         req.phase = DONE
         req.reason = req.reason or reason
         req.cache = None
@@ -481,6 +492,7 @@ class MockEngine:
             req.route, req.phase = "dense", PREFILL
             req.feed = uncached
         req.admitted_at = self.clock()
+        req.share_from = self._share_clock(req.admitted_at, besides=req)
         self._hooks.request_admitted(RequestAdmitted(self.engine_id, req.request_id, req.cached_tokens))
 
     def _run_once(self) -> None:
@@ -535,9 +547,12 @@ class MockEngine:
         req.output.append(int(mx.argmax(last).item()))
         now = self.clock()
         req.ttft_s = now - req.submitted_at
-        # Its own prefill, from admission: not the wait behind other requests.
-        began = req.admitted_at if req.admitted_at is not None else req.submitted_at
-        prefill_s = now - began
+        # Its own prefill: its share of the steps from admission (not the wait behind
+        # other requests, nor the chunks of those prefilled beside it).
+        if req.share_from is not None:
+            prefill_s = max(0.0, self._share_clock(now) - req.share_from)
+        else:
+            prefill_s = now - req.submitted_at
         self._hooks.request_prefilled(
             RequestPrefilled(
                 self.engine_id, req.request_id, self.model_id, tuple(req.prompt), req.cached_tokens,

@@ -72,6 +72,7 @@ class EngineRequest:
     first_logits: mx.array | None = None
     ttft_s: float | None = None
     admitted_at: float | None = None
+    share_from: float | None = None  # the engine's prefill-share clock at admission
     reason: DepartureReason | None = None
     prefilled_tokens: int = 0
     draft_tokens: int = 0

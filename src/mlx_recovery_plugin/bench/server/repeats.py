@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .turn_ratios import later_turn_ratios
+
 if TYPE_CHECKING:
     from .report import ArmRun
 
@@ -45,10 +47,10 @@ class RepeatPair:
             return None
         return rec / on
 
-    def worst_later_turn(self) -> float | None:
-        """The largest ratio of a later turn's time with recovery to sparse on's, same turn."""
-        ratios = [c.ttft_s / max(b.ttft_s, 1e-9) for b, c in zip(self.sparse_on.steps, self.sparse_recovery.steps)
-                  if c.turn > 1 or c.label]
+    def worst_later_turn(self, alone_only: bool = False) -> float | None:
+        """The largest ratio of a later turn's time with recovery to sparse on's, same turn
+        (``alone_only``: of the turns no queue touched in either arm)."""
+        ratios = later_turn_ratios(self.sparse_on.steps, self.sparse_recovery.steps, alone_only)
         return max(ratios) if ratios else None
 
     def recovered_tokens(self) -> int | None:
@@ -66,6 +68,7 @@ class RepeatPair:
             "host_sparse_ratio": _round(self.host_sparse_ratio()),
             "tokens_recovered": self.recovered_tokens(),
             "worst_later_turn_vs_on": _round(self.worst_later_turn()),
+            "worst_alone_later_turn_vs_on": _round(self.worst_later_turn(alone_only=True)),
         }
 
 
@@ -113,6 +116,7 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
     if len(pairs) < 2:
         return None
     host = [r for r in (p.host_sparse_ratio() for p in pairs) if r is not None]
+    alone = [r for p in pairs for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alone_only=True)]
     return {
         "pairs": [p.summary() for p in pairs],
         "ratio": spread([p.ratio() for p in pairs]),
@@ -120,6 +124,8 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "later_turns_s": {"sparse_on": later_turns([p.sparse_on for p in pairs]),
                           "sparse_recovery": later_turns([p.sparse_recovery for p in pairs])},
         "worst_later_turn_median_vs_on": _round(worst_turn_median(pairs)),
+        "worst_alone_later_turn_vs_on": _round(max(alone)) if alone else None,
+        "alone_later_turns": len(alone),
     }
 
 
@@ -143,6 +149,10 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
     worst = summary["worst_later_turn_median_vs_on"]
     if worst is not None:
         lines.append(f"worst later turn against sparse on, each turn's median over the pairs: {worst:.2f}x")
+    if summary["worst_alone_later_turn_vs_on"] is not None:
+        lines.append(f"worst later turn against sparse on of those no other request touched in either arm: "
+                     f"{summary['worst_alone_later_turn_vs_on']:.2f}x ({summary['alone_later_turns']} such turns "
+                     "over the pairs)")
     for p in pairs:
         h = p.host_sparse_ratio()
         lines.append(

@@ -33,6 +33,7 @@ from typing import Any
 
 from ...demo.report import ARM_TITLES, ARMS
 from .repeats import RepeatPair, repeat_lines, repeats_summary
+from .turn_ratios import count_later_turns, later_turn_ratios
 
 ORACLE = "oracle"
 BEST = "best_reachable"
@@ -253,10 +254,11 @@ class SessionResult:
             return None
         return sum(x == y for x, y in pairs), len(pairs)
 
-    def worst_later_turn(self) -> float | None:
-        """The largest ratio of a later turn's time with recovery to sparse on's."""
-        on, rec = self.arms["sparse_on"], self.arms["sparse_recovery"]
-        ratios = [c.ttft_s / max(b.ttft_s, 1e-9) for b, c in zip(on.steps, rec.steps) if c.turn > 1 or c.label]
+    def worst_later_turn(self, alone_only: bool = False) -> float | None:
+        """The largest ratio of a later turn's time with recovery to sparse on's
+        (``alone_only``: of the turns no queue touched in either arm, see
+        :mod:`.turn_ratios`)."""
+        ratios = later_turn_ratios(self.arms["sparse_on"].steps, self.arms["sparse_recovery"].steps, alone_only)
         return max(ratios) if ratios else None
 
     def committed_share(self) -> float | None:
@@ -321,7 +323,9 @@ class BenchReport:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["summary"] = {
-            s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(), "committed_share": s.committed_share(),
+            s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(),
+                                  "worst_alone_later_turn_vs_on": s.worst_later_turn(alone_only=True),
+                                  "committed_share": s.committed_share(),
                                   "held_share": s.held_share()}
             | _route_summary(s) | {"host_sparse_s": {arm: s.arms[arm].host_sparse_s for arm in ARMS},
                                    "repeats": repeats_summary(s.repeats)}
@@ -408,6 +412,10 @@ def format_session(result: SessionResult) -> list[str]:
         )
         worst, kept = result.worst_later_turn(), result.committed_share()
         parts = [f"worst later turn against sparse on {worst:.2f}x" if worst is not None else "no later turn"]
+        if result.concurrent:
+            alone = later_turn_ratios(on.steps, rec.steps, alone_only=True)
+            parts.append(f"of the {len(alone)} of {count_later_turns(rec.steps)} later turns no other request touched in "
+                         "either arm, " + (f"the worst {max(alone):.2f}x" if alone else "none"))
         if kept is not None:
             parts.append(f"committed / run {kept:.2f}")
         held = result.held_share()

@@ -43,6 +43,7 @@ from typing import Any
 from ...events import DepartureReason, RequestAdmitted, RequestArrived, RequestDeparted, RequestPrefilled, Route
 from ...plugins import HookEmitter
 from ...ports import FetchedPrefix, StoreUnit
+from ..prefill_shares import PrefillShares
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class _Live:
     cached_tokens: int = 0
     uid: tuple[int, int] | None = field(default=None)
     prefilled: bool = False
+    share_from: float | None = None  # the prefill-share clock at its admission
 
 
 class Requests:
@@ -82,6 +84,9 @@ class Requests:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._live: dict[str, _Live] = {}
+        # Each prefill's share of the batched steps (mlx-lm prefills the prompts it holds
+        # together); under ``_lock``.
+        self._shares = PrefillShares()
         self._departing: set[str] = set()
         self._by_request: dict[int, str] = {}
         self._by_uid: dict[tuple[int, int], str] = {}
@@ -211,6 +216,7 @@ class Requests:
             if live is None:
                 return
             live.admitted_at = self.clock()
+            live.share_from = self._share_clock(live.admitted_at)
             live.cached_tokens = cached
         self._admitted = rid
         self.emitter.request_admitted(RequestAdmitted(engine_id=ENGINE_ID, request_id=rid, cached_tokens=cached))
@@ -222,22 +228,32 @@ class Requests:
                 rid = self._by_uid.get((id(batch), int(response.uid)))
                 live = self._live.get(rid) if rid is not None else None
                 first = live is not None and not live.prefilled
-                if live is not None:
+                prefill_s = 0.0
+                if live is not None and first:
+                    now = self.clock()
+                    share_from = live.share_from if live.share_from is not None else self._share_clock(now)
+                    prefill_s = max(0.0, self._share_clock(now) - share_from)
                     live.prefilled = True
             if live is None:
                 continue
             if first:
-                started = live.admitted_at if live.admitted_at is not None else self.clock()
                 self.emitter.request_prefilled(RequestPrefilled(
                     engine_id=ENGINE_ID, request_id=live.request_id, model_id=_model_id(live.model),
                     tokens=live.tokens, cached_tokens=live.cached_tokens, route=Route.DENSE,
-                    prefill_s=max(0.0, self.clock() - started),
+                    prefill_s=prefill_s,
                 ))
             if response.finish_reason is not None:
                 self._finishing.append(live.request_id)
 
+    def _share_clock(self, now: float) -> float:
+        """The prefill-share clock at ``now``, before any change at ``now`` (under ``_lock``)."""
+        in_flight = sum(1 for x in self._live.values() if x.share_from is not None and not x.prefilled)
+        return self._shares.read(now, in_flight)
+
     def _depart(self, rid: str, reason: DepartureReason) -> None:
         with self._lock:
+            if rid in self._live:
+                self._share_clock(self.clock())  # its share so far, before it leaves the count
             live = self._live.pop(rid, None)
             if live is None:
                 return

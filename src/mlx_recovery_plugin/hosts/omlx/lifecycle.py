@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
@@ -115,7 +115,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted, live.admitted_at = True, began if began is not None else self._clock()
+                record.mark_admitted(live, began if began is not None else self._clock())
             request = scheduler.requests.get(rid)
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(
@@ -131,10 +131,8 @@ class Lifecycle(EngineBook):
         start = min(int(getattr(request, "cached_tokens", 0) or 0), len(tokens))
         threshold, keep = sparse_route_settings(request, self.member)
         with record.lock:
-            live = record.live.get(request_id)
-            seen = replace(live) if live is not None else None
-        if seen is not None and seen.first_token_at is None:
-            seen.first_token_at = self._clock()  # it finished in the step that made its first token
+            # It may have finished in the step that made its first token.
+            seen = record.seen_prefilled(request_id, self._clock())
         prefill_s = seen.prefill_seconds(sparse=True) if seen is not None else None
         return SparseRouteServed(
             engine_id=record.engine_id,

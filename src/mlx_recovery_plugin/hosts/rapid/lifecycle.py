@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
@@ -106,7 +105,7 @@ class Lifecycle(EngineBook):
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                live.admitted, live.admitted_at = True, began if began is not None else self._clock()
+                record.mark_admitted(live, began if began is not None else self._clock())
             cached = int(getattr(request, "cached_tokens", 0) or 0)
             self.emitter.request_admitted(RequestAdmitted(record.engine_id, rid, cached))
 
@@ -123,10 +122,8 @@ class Lifecycle(EngineBook):
             return None
         threshold, keep = pflash_settings(scheduler)
         with record.lock:
-            live = record.live.get(request_id)
-            seen = replace(live) if live is not None else None
-        if seen is not None and seen.first_token_at is None:
-            seen.first_token_at = self._clock()  # it finished in the step that made its first token
+            # It may have finished in the step that made its first token.
+            seen = record.seen_prefilled(request_id, self._clock())
         prefill_s = seen.prefill_seconds(sparse=True) if seen is not None else None
         return SparseRouteServed(
             engine_id=record.engine_id,

@@ -1,0 +1,52 @@
+"""Each prefill's share of the host's time, when several prefill side by side.
+
+oMLX and rapid-mlx advance every in-flight chunked prefill by one chunk per step, one
+after the other, on one thread; the mock host does the same. Timed from admission to its
+first token, a prefill that ran beside two others counts their chunks as its own, and
+the publish policy learns a sparse turn three times as dear as it is (a 10 s sparse
+rerun read as 25 s, and a partial publication that lost was judged to pay). Here each
+prefill is charged ``dt / n`` for every interval ``dt`` in which ``n`` prefills were in
+flight: a processor-sharing clock. Alone, a prefill's share is its wall time.
+
+An interval the host spent taking another request in (oMLX's draft scores a sparse
+prompt inside ``add_request``, on the step thread, before it queues) is nobody's
+prefill: :meth:`PrefillShares.skip` charges it to no one; the request whose door it was
+counts it as its own ``door_s``.
+
+Threads: one per host engine, touched only under that engine's record lock.
+"""
+
+from __future__ import annotations
+
+
+class PrefillShares:
+    """A clock that runs at ``1 / n`` while ``n`` prefills are in flight (stopped at 0).
+
+    The caller says ``n`` at each reading (the count before the change it is about to
+    make), so the count has one owner: the adapter's table of live requests. A prefill's
+    share is the clock's reading at its first token minus its reading at admission.
+    """
+
+    __slots__ = ("_at", "_value")
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._at: float | None = None
+
+    def read(self, now: float, in_flight: int) -> float:
+        """The clock at ``now``, with ``in_flight`` prefills running since the last
+        reading. A reading earlier than the last (a step's start, told after the step)
+        moves nothing."""
+        if self._at is None:
+            self._at = now
+        elif now > self._at:
+            if in_flight > 0:
+                self._value += (now - self._at) / in_flight
+            self._at = now
+        return self._value
+
+    def skip(self, start: float, end: float, in_flight: int) -> None:
+        """``[start, end]`` belonged to no prefill in flight (another request's door)."""
+        self.read(start, in_flight)
+        if self._at is None or end > self._at:
+            self._at = end
