@@ -3,6 +3,7 @@ plugin faults, and discovery through the host-adapter entry point."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -290,3 +291,29 @@ def test_a_request_refused_at_the_door_departs_and_a_duplicate_id_is_reported_on
         assert host.engine.queues_empty()
     finally:
         host.close()
+
+
+def test_prefills_admitted_in_one_call_are_each_charged_their_own_part(
+    instrumentor: OmlxInstrumentor, recorder: EventRecorder, models: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """oMLX prefills the requests it admits in one step one after another: a short
+    prompt admitted beside a long one is charged its own few hundred tokens, not half
+    of the call (an even split would learn the short turn as dear as the long one)."""
+    model, tokenizer = models
+    sched = make_scheduler(model, tokenizer, tmp_path / "seq", CONFIG)
+    instrumentor.attach(sched)
+    sched.add_request(make_request("short", contract_tokens(150, seed=5), max_tokens=2, sparse=False))
+    sched.add_request(make_request("long", contract_tokens(2400, seed=6), max_tokens=2, sparse=False))
+    started = time.perf_counter()
+    sched.step()
+    wall = time.perf_counter() - started
+    assert {"short", "long"} <= set(sched.running), "both admitted in the one step"
+    for _ in range(20):
+        if not sched.has_requests():
+            break
+        sched.step()
+    by_id = {e.request_id: e.prefill_s for e in recorder.prefills}
+    assert set(by_id) == {"short", "long"}
+    assert by_id["short"] < 0.5 * by_id["long"], by_id
+    assert by_id["short"] + by_id["long"] <= wall, (by_id, wall)
+    sched.shutdown()

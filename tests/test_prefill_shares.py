@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_recovery_plugin.events import DepartureReason
-from mlx_recovery_plugin.hosts.prefill_shares import PrefillShares
+from mlx_recovery_plugin.hosts.prefill_shares import PrefillShares, sequential_shares
 from mlx_recovery_plugin.hosts.records import EngineBook, EngineRecord, LiveRequest
 
 
@@ -85,3 +85,26 @@ def test_a_request_gone_mid_prefill_stops_taking_a_share() -> None:
     with record.lock:
         record.mark_first_token(a, 10.0)
     assert a.prefill_seconds(sparse=False) == pytest.approx(2.0 + 6.0)
+
+
+def test_one_calls_prefills_in_turn_are_each_charged_their_own_part() -> None:
+    """oMLX's stamps (its own clock, 100.0-103.0) say the short one ended 0.25 s into the
+    call and the long one 2.75 s after that; the call took 6 s on the adapter's clock (a
+    clock that ran twice as fast), so 0.5 s and 5.5 s, in the order the stamps came."""
+    shares = sequential_shares(6.0, 100.0, 103.0, [103.0, 100.25])
+    assert shares == pytest.approx([5.5, 0.5])
+    assert sum(shares or []) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize(
+    "stamps",
+    [[], [99.0, 101.0], [101.0, 104.5]],
+    ids=["none", "stamp-before-the-call", "stamp-after-the-call"],
+)
+def test_stamps_outside_the_call_fall_back_to_an_even_split(stamps: list[float]) -> None:
+    """A stamp from another clock or an earlier step says nothing of this call."""
+    assert sequential_shares(3.0, 100.0, 103.0, stamps) is None
+
+
+def test_a_call_of_no_length_on_the_hosts_clock_gives_no_parts() -> None:
+    assert sequential_shares(0.2, 100.0, 100.0, [100.0]) is None

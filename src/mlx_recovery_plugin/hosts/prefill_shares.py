@@ -1,12 +1,15 @@
 """Each prefill's share of the host's time, when several prefill side by side.
 
-oMLX and rapid-mlx advance every in-flight chunked prefill by one chunk per step, one
-after the other, on one thread; the mock host does the same. Timed from admission to its
-first token, a prefill that ran beside two others counts their chunks as its own, and
-the publish policy learns a sparse turn three times as dear as it is (a 10 s sparse
-rerun read as 25 s, and a partial publication that lost was judged to pay). Here each
-prefill is charged ``dt / n`` for every interval ``dt`` in which ``n`` prefills were in
-flight: a processor-sharing clock. Alone, a prefill's share is its wall time.
+Hosts run several prefills on one thread: rapid-mlx, mlx-lm's server and the mock host
+advance each in-flight prefill by a chunk per step; oMLX admits several waiting requests
+in one call and prefills each in turn. Timed from admission to its first token, a
+prefill that ran beside two others counts their work as its own, and the publish policy
+learns a sparse turn three times as dear as it is (a 10 s sparse rerun read as 25 s, and
+a partial publication that lost was judged to pay). Here each prefill is charged
+``dt / n`` for every interval ``dt`` in which ``n`` prefills were in flight: a
+processor-sharing clock. Alone, a prefill's share is its wall time. Where the host says
+when each of one call's prefills ended (oMLX stamps it), :func:`sequential_shares` gives
+each its own part of the call instead of an even split.
 
 An interval the host spent taking another request in (oMLX's draft scores a sparse
 prompt inside ``add_request``, on the step thread, before it queues) is nobody's
@@ -50,3 +53,26 @@ class PrefillShares:
         self.read(start, in_flight)
         if self._at is None or end > self._at:
             self._at = end
+
+
+def sequential_shares(
+    call_s: float, host_began: float, host_end: float, stamps: list[float]
+) -> list[float] | None:
+    """Each prefill's seconds when one call ran them one after another (oMLX's admission
+    call prefills each admitted request in turn), from the host's stamp of when each
+    ended: the earliest from the call's start, each later one from the one before it.
+
+    ``host_began`` and ``host_end`` are the call's bounds on the host's clock, the one it
+    stamps with; the seconds come back in the order of ``stamps``, scaled to ``call_s``,
+    the call's length on the adapter's clock. None where a stamp falls outside the call
+    (another clock, or a stamp from before it): the caller then splits the call evenly."""
+    span = host_end - host_began
+    if not stamps or span <= 0 or any(not host_began <= s <= host_end for s in stamps):
+        return None
+    scale = call_s / span
+    shares = [0.0] * len(stamps)
+    previous = host_began
+    for i in sorted(range(len(stamps)), key=stamps.__getitem__):
+        shares[i] = (stamps[i] - previous) * scale
+        previous = stamps[i]
+    return shares

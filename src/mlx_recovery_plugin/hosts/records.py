@@ -94,6 +94,12 @@ class EngineRecord:
         live.admitted, live.admitted_at = True, at
         live.share_from = self.share_clock(at)
 
+    def mark_prefill_done(self, live: LiveRequest, at: float) -> None:
+        """``live``'s prefill ended at ``at``, before its first token (under ``lock``):
+        the steps until that token (another request's admission among them) are not its."""
+        if live.share_from is not None and live.share_s is None:
+            live.share_s = max(0.0, self.share_clock(at) - live.share_from)
+
     def mark_first_token(self, live: LiveRequest, now: float) -> None:
         """``live``'s first token came at ``now`` (under ``lock``)."""
         live.first_token_at = now
@@ -110,7 +116,7 @@ class EngineRecord:
         seen = replace(live)
         if seen.first_token_at is None:
             seen.first_token_at = now
-            if seen.share_from is not None:
+            if seen.share_from is not None and seen.share_s is None:
                 seen.share_s = max(0.0, self.share_clock(now) - seen.share_from)
         return seen
 
@@ -155,6 +161,11 @@ class EngineBook:
 
     def now(self) -> float:
         """The adapter's clock (the one every request time is read on)."""
+        return self._clock()
+
+    def admission_began(self) -> Any:
+        """What :meth:`admitted` is told of when an admission call began: the adapter's
+        clock here; a host that stamps its prefills reads its own clock too."""
         return self._clock()
 
     # -- engines -----------------------------------------------------------------------

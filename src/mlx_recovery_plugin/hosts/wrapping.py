@@ -40,7 +40,7 @@ def scheduler_schedule_waiting(life: Any, original: Fn, originals: Mapping[str, 
         record = life.get(scheduler)
         before = (life.safe(_waiting_ids, scheduler) or []) if record is not None else []
         # oMLX prefills inside admission: a request's prefill begins when this call does.
-        began = life.now() if before else None
+        began = life.admission_began() if before else None
         result = original(scheduler, *args, **kwargs)
         if record is not None and before:
             life.safe(life.admitted, record, scheduler, before, began)

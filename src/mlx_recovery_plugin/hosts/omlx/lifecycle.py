@@ -18,11 +18,13 @@ Nothing here raises into oMLX: :meth:`Lifecycle.safe` logs the adapter's own fau
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
+from ..prefill_shares import sequential_shares
 from ..records import EngineBook, LiveRequest, tokens_of_prompt, tokens_of_request
 from ..records import EngineRecord as _EngineRecord
 from .idle_driver import IdleDriver
@@ -103,24 +105,77 @@ class Lifecycle(EngineBook):
         for rid in gone:
             self.depart(record, rid, reason)
 
-    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str], began: float | None = None) -> None:
-        """Report the requests of ``before`` (waiting a moment ago) now running or prefilling."""
+    def admission_began(self) -> tuple[float, float]:
+        """The call's start on the adapter's clock and on oMLX's (``time.monotonic``, the
+        one it stamps ``generation_started_at`` with)."""
+        return self._clock(), time.monotonic()
+
+    def admitted(self, record: EngineRecord, scheduler: Any, before: list[str], began: Any = None) -> None:
+        """Report the requests of ``before`` (waiting a moment ago) now running or
+        prefilling, and charge each prefill the call made its own part of it.
+
+        oMLX prefills the requests it admits one after another inside this call and
+        stamps each as it joins ``running``; from those stamps each is charged its own
+        seconds, and the call is nobody else's (prefills in flight before it, chunked
+        ones, do not move during it). Without usable stamps the call is split evenly."""
         if not before:
             return
+        now = self._clock()
+        host_end = time.monotonic()
+        began_at, host_began = began if isinstance(began, tuple) else (began, None)
+        if began_at is None:
+            began_at = now
         prefilling = {r.request_id for r in scheduler.prefilling}
-        for rid in before:
-            if rid not in scheduler.running and rid not in prefilling:
-                continue
-            with record.lock:
+        waiting_before = set(before)
+        new: list[tuple[str, int]] = []
+        done_here: list[tuple[LiveRequest, float | None]] = []
+        with record.lock:
+            for rid, live in record.live.items():
+                # A chunked prefill that completed before this call, at the step's start.
+                if rid not in waiting_before and rid in scheduler.running and live.first_token_at is None:
+                    record.mark_prefill_done(live, began_at)
+            for rid in before:
+                if rid not in scheduler.running and rid not in prefilling:
+                    continue
                 live = record.live.get(rid)
                 if live is None or live.admitted:
                     continue
-                record.mark_admitted(live, began if began is not None else self._clock())
-            request = scheduler.requests.get(rid)
-            cached = int(getattr(request, "cached_tokens", 0) or 0)
+                record.mark_admitted(live, began_at)
+                request = scheduler.requests.get(rid)
+                new.append((rid, int(getattr(request, "cached_tokens", 0) or 0)))
+                if rid not in prefilling:
+                    stamp = getattr(scheduler.running.get(rid), "generation_started_at", None)
+                    done_here.append((live, float(stamp) if isinstance(stamp, (int, float)) else None))
+            self._charge_call(record, done_here, began_at, now, host_began, host_end)
+        for rid, cached in new:
             self.emitter.request_admitted(
                 RequestAdmitted(engine_id=record.engine_id, request_id=rid, cached_tokens=cached),
             )
+
+    @staticmethod
+    def _charge_call(
+        record: EngineRecord,
+        done_here: list[tuple[LiveRequest, float | None]],
+        began_at: float,
+        now: float,
+        host_began: float | None,
+        host_end: float,
+    ) -> None:
+        """Each prefill the call finished gets its part of the call (under ``lock``)."""
+        if not done_here:
+            return
+        stamps = [stamp for _, stamp in done_here]
+        shares = None
+        if host_began is not None and all(stamp is not None for stamp in stamps):
+            shares = sequential_shares(now - began_at, host_began, host_end, [float(s) for s in stamps if s is not None])
+        if shares is None:
+            for live, _ in done_here:
+                record.mark_prefill_done(live, now)
+            return
+        for (live, _), share in zip(done_here, shares, strict=True):
+            live.share_s = share
+        # The finished ones are out of flight now; the call was theirs alone.
+        record.shares.skip(began_at, now, record.prefills_in_flight())
 
     def sparse_served(self, record: EngineRecord, scheduler: Any, request_id: str) -> SparseRouteServed | None:
         """The event for a running request whose prompt the sparse route served, else None."""
