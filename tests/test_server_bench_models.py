@@ -249,3 +249,47 @@ def test_smollm2_by_name_on_the_real_rapid_mlx_server_is_served_and_measured(
     assert agent["arms"]["sparse_on"]["steps"][0]["sparse"] is True  # PFlash compressed the first turn
     assert agent["arms"]["sparse_recovery"]["steps"][0]["status"] is not None  # the plugin answered
     assert not process._live
+
+
+def _sampled_tokens(model_path: Path, prompts: int = 24, seed: int = 3) -> list[int]:
+    """The token each of ``prompts`` random prompts samples first, at temperature 1."""
+    import mlx.core as mx
+
+    from mlx_recovery_plugin.testing.contract import contract_tokens
+    from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
+
+    model, _ = load_tiny_model(model_path)
+    mx.random.seed(seed)
+    picked = []
+    for i in range(prompts):
+        logits = model(mx.array([list(contract_tokens(40, seed=100 + i))]))[:, -1, :]
+        picked.append(int(mx.random.categorical(logits).item()))
+    return picked
+
+
+def test_the_benchs_target_streams_every_token_it_picks_as_it_comes(tmp_path: Path) -> None:
+    """A client times the first streamed text: a lone byte of a multi-byte character is
+    held back by the server until the next token, so the bench would time the second
+    token; a padding id streams nothing at all. The target it writes never picks either
+    (the same random model without the change does, about half the time); the draft is
+    left as it is."""
+    from mlx_recovery_plugin.bench.server.models import write_models
+    from mlx_recovery_plugin.testing.tiny_model import (
+        TinyModelSpec,
+        load_tiny_model,
+        no_text_alone,
+        write_tiny_model,
+    )
+
+    spec = TinyModelSpec(arch="llama", seed=4)
+    pair = write_models(tmp_path / "models", spec, TinyModelSpec(arch="llama", num_layers=1, seed=7))
+    assert pair.target_id.endswith("-wc")
+    plain = write_tiny_model(tmp_path / "plain", spec)
+    silent = [t for t in _sampled_tokens(plain) if no_text_alone(t)]
+    assert len(silent) >= 4, "the test's prompts no longer show the problem"
+    picked = _sampled_tokens(pair.target_path)
+    assert [t for t in picked if no_text_alone(t)] == []
+    _, tokenizer = load_tiny_model(pair.target_path)
+    for token in set(picked):
+        text = tokenizer.decode([token])
+        assert text and "\ufffd" not in text, token

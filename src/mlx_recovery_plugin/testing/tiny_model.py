@@ -134,8 +134,34 @@ def write_tokenizer(path: Path) -> None:
     )
 
 
-def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write config, random weights (seeded) and tokenizer for ``spec`` into ``path``."""
+def no_text_alone(token: int) -> bool:
+    """``token`` decodes to no text a server can stream by itself: a byte 0x80-0xFF (part
+    of a multi-byte UTF-8 character) or an id past the specials (the vocabulary's padding,
+    which decodes to nothing)."""
+    return 0x80 <= token < BYTE_VOCAB or token >= BYTE_VOCAB + len(SPECIAL_TOKENS)
+
+
+def whole_character_head(weight: mx.array) -> mx.array:
+    """``lm_head`` rows that never pick a token of :func:`no_text_alone`: those rows
+    zeroed (their logits 0) and the others scaled by 8, so the best whole character's
+    logit stands far above 0.
+
+    A server streams text: it holds a lone byte of a multi-byte character back until a
+    later token completes it, and sends nothing for a token with no text. A random
+    byte-level model picks such a token about half the time, and a client then times a
+    later token, after whatever the host admitted in between (with several conversations,
+    another one's whole prefill). Only values change: the shapes, and so every prefill's
+    cost, stay the same."""
+    keep = mx.array([0.0 if no_text_alone(i) else 8.0 for i in range(weight.shape[0])], dtype=weight.dtype)
+    return weight * keep[:, None]
+
+
+def write_tiny_model(
+    path: str | Path, spec: TinyModelSpec = TinyModelSpec(), whole_characters: bool = False
+) -> Path:
+    """Write config, random weights (seeded) and tokenizer for ``spec`` into ``path``;
+    ``whole_characters``: with :func:`whole_character_head` (for models a client times
+    over a stream)."""
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
@@ -149,6 +175,10 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) ->
     params = tree_map(lambda p: (p * 2.0).astype(dtype), model.parameters())
     model.update(params)
     weights = dict(tree_flatten(model.parameters()))
+    if whole_characters:
+        if "lm_head.weight" not in weights:
+            raise ValueError(f"{spec.arch}: no lm_head.weight to keep partial characters out of")
+        weights["lm_head.weight"] = whole_character_head(weights["lm_head.weight"])
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(path)

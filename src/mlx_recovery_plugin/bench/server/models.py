@@ -86,11 +86,13 @@ def parse_target(text: str, base: TinyModelSpec = DEFAULT_TARGET) -> TinyModelSp
 
 
 def write_models(model_dir: Path, target: TinyModelSpec, draft: TinyModelSpec) -> ModelPair:
-    """Write the target and the draft (random weights, seeded) under ``model_dir``."""
-    pair = ModelPair(Path(model_dir), spec_id(target), "draft-" + spec_id(draft))
-    for path, spec in ((pair.target_path, target), (pair.draft_path, draft)):
+    """Write the target and the draft (random weights, seeded) under ``model_dir``. The
+    target never picks a partial character (``-wc`` in its id): the client times the
+    first streamed text, and a held-back byte would time the second token instead."""
+    pair = ModelPair(Path(model_dir), spec_id(target) + "-wc", "draft-" + spec_id(draft))
+    for path, spec, whole in ((pair.target_path, target, True), (pair.draft_path, draft, False)):
         if not (path / "model.safetensors").exists():
-            write_tiny_model(path, spec)
+            write_tiny_model(path, spec, whole_characters=whole)
     return pair
 
 
