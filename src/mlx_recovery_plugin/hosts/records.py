@@ -103,8 +103,7 @@ class EngineRecord:
     def mark_first_token(self, live: LiveRequest, now: float) -> None:
         """``live``'s first token came at ``now`` (under ``lock``)."""
         live.first_token_at = now
-        if live.share_from is not None and live.share_s is None:
-            live.share_s = max(0.0, self.share_clock(now) - live.share_from)
+        self.mark_prefill_done(live, now)
 
     def seen_prefilled(self, request_id: str, now: float) -> LiveRequest | None:
         """A copy of the request's record with its prefill ended at ``now`` if its first
@@ -116,8 +115,7 @@ class EngineRecord:
         seen = replace(live)
         if seen.first_token_at is None:
             seen.first_token_at = now
-            if seen.share_from is not None and seen.share_s is None:
-                seen.share_s = max(0.0, self.share_clock(now) - seen.share_from)
+            self.mark_prefill_done(seen, now)
         return seen
 
 

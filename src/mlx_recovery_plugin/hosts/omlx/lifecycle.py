@@ -164,10 +164,10 @@ class Lifecycle(EngineBook):
         """Each prefill the call finished gets its part of the call (under ``lock``)."""
         if not done_here:
             return
-        stamps = [stamp for _, stamp in done_here]
+        stamps = [stamp for _, stamp in done_here if stamp is not None]
         shares = None
-        if host_began is not None and all(stamp is not None for stamp in stamps):
-            shares = sequential_shares(now - began_at, host_began, host_end, [float(s) for s in stamps if s is not None])
+        if host_began is not None and len(stamps) == len(done_here):
+            shares = sequential_shares(now - began_at, host_began, host_end, stamps)
         if shares is None:
             for live, _ in done_here:
                 record.mark_prefill_done(live, now)
