@@ -13,7 +13,14 @@ import pytest
 
 from mlx_recovery_plugin.bench.server import process, sessions
 from mlx_recovery_plugin.bench.server.concurrent import serve_concurrently
-from mlx_recovery_plugin.bench.server.report import ArmRun, SessionResult, StepRecord, best_reachable_steps
+from mlx_recovery_plugin.bench.server.report import (
+    ArmRun,
+    BenchReport,
+    SessionResult,
+    StepRecord,
+    best_reachable_steps,
+    format_session,
+)
 
 
 def test_a_concurrent_session_staggers_its_conversations_and_lists_steps_by_send_time() -> None:
@@ -123,6 +130,29 @@ def test_a_failed_turn_stops_the_other_conversations_and_is_raised() -> None:
     assert len(server.served) < len(session.steps)
 
 
+def test_a_turn_is_not_sent_before_the_other_arm_sent_it_nor_before_its_own_think_time() -> None:
+    """Two conversations, two turns each, about 0.05 s think. B's turn 2 is held until 0.6 s
+    into the session (the other arm sent it then); A's turn 2 was sent at 0 s there, so
+    it goes on its own schedule: after A's first answer and its think time."""
+    session = _tiny_concurrent(conversations=2, turns=2)
+    index = {(s.conversation, s.turn): i for i, s in enumerate(session.steps)}
+    not_before: list[float | None] = [None] * len(session.steps)
+    not_before[index[("B", 2)]] = 0.6
+    not_before[index[("A", 2)]] = 0.0
+    server = OneServer(conversations=2)
+    run = ArmRun("sparse_recovery")
+    serve_concurrently(session, make_client=server.client, model="m", max_tokens=1, absent_cached_is_zero=False,
+                       read_status=None, progress=lambda line: None, tag="t", run=run, not_before=not_before)
+    sent = {(r.conversation, r.turn): r for r in run.steps}
+    assert sent[("B", 2)].sent_s >= 0.6
+    a1, a2 = sent[("A", 1)], sent[("A", 2)]
+    think = session.steps[index[("A", 1)]].think_s  # the seeded think time, about 0.05 s
+    assert a2.sent_s >= a1.done_s + think - 0.002 and a2.sent_s < 0.5  # records are rounded to ms
+    with pytest.raises(ValueError, match="arrival times"):
+        serve_concurrently(session, make_client=server.client, model="m", max_tokens=1, absent_cached_is_zero=False,
+                           read_status=None, progress=lambda line: None, tag="t", run=ArmRun("x"), not_before=[0.0])
+
+
 def _record(step: int, conv: str, turn: int, prompt: int, ttft: float, sent: float, done: float) -> StepRecord:
     return StepRecord(step, conv, turn, "", prompt, 0, ttft, ttft, 0.0, sent_s=sent, done_s=done)
 
@@ -167,6 +197,31 @@ def test_the_worst_later_turn_no_queue_touched_leaves_out_turns_that_queued_in_e
     result = SessionResult("concurrent", "test", arms, concurrent=True)
     assert result.worst_later_turn() == pytest.approx(3.0)
     assert result.worst_later_turn(alone_only=True) == pytest.approx(1.05)
+
+
+def test_with_sparse_ons_arrivals_the_worst_later_turn_is_taken_over_the_turns_sent_when_sparse_on_sent_them() -> None:
+    """A's turn 2 queued behind B's turn 1 in both arms (sent at 20 s in both) and took
+    1.2x; B's turn 2 came 4 s late with recovery (its first answer came later) and took
+    2x: that one says what recovery did to the turn before it, not to this one."""
+    on = [("A", 1, 0.0, 5.0, 5.0), ("B", 1, 18.0, 5.0, 23.0), ("A", 2, 20.0, 5.0, 25.0),
+          ("B", 2, 40.0, 2.0, 42.0)]
+    rec = [("A", 1, 0.0, 5.0, 5.0), ("B", 1, 18.0, 9.0, 27.0), ("A", 2, 20.1, 6.0, 26.1),
+           ("B", 2, 44.0, 4.0, 48.0)]
+    arms = {}
+    for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec)):
+        arms[arm] = ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
+                                        for i, (c, t, sent, ttft, done) in enumerate(rows)])
+    result = SessionResult("concurrent", "test", arms, concurrent=True)
+    assert not result.arrivals_replayed()
+    text = "\n".join(format_session(result))
+    assert "sent when sparse on sent them" not in text
+    arms["sparse_recovery"].arrivals_from = "sparse_on"
+    assert result.worst_later_turn() == pytest.approx(2.0)
+    assert result.worst_later_turn(alike_only=True) == pytest.approx(1.2)
+    text = "\n".join(format_session(result))
+    assert "arrivals from sparse on" in text and "of the 1 later turns sent when sparse on sent them, the worst 1.20x" in text
+    summary = BenchReport("t", "d", "h", "b", 50.0, 30.0, 1.0, 2, "auto", sessions=[result]).to_json()["summary"]
+    assert summary["concurrent"]["worst_alike_later_turn_vs_on"] == pytest.approx(1.2)
 
 
 def test_an_unqueued_dense_rate_lets_the_best_reachable_count_turns_the_queued_rate_would_not() -> None:

@@ -46,7 +46,7 @@ def test_repeats_alternate_the_first_arm_and_change_the_concurrent_schedule(
     on_sums = iter([10.0, 12.0, 11.0])
     rec_sums = iter([9.0, 13.2, 9.9])
 
-    def fake_run_arm(config, pair, session, arm, root, progress):
+    def fake_run_arm(config, pair, session, arm, root, progress, not_before=None):
         served.append((arm, [(s.conversation, s.turn, s.start_s, s.think_s) for s in session.steps], root.name))
         if arm == "sparse_off":
             return _arm(arm, [20.0, 1.0], None)
@@ -86,7 +86,7 @@ def test_repeats_alternate_the_first_arm_and_change_the_concurrent_schedule(
 
 
 def test_one_run_has_no_repeats_and_the_bench_refuses_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run_mod, "run_arm", lambda config, pair, session, arm, root, progress: _arm(arm, [1.0], None))
+    monkeypatch.setattr(run_mod, "run_arm", lambda config, pair, session, arm, root, progress, not_before=None: _arm(arm, [1.0], None))
     config = run_mod.BenchConfig(workdir=tmp_path)
     result = SessionResult("agent", "test")
     run_mod._serve_arms(config, ModelPair(tmp_path, "t", "d"), "agent", sessions.build("agent", config.shape, 1.0),
@@ -116,3 +116,43 @@ def test_a_turn_slow_in_one_pair_only_does_not_decide_the_worst_later_turn_but_o
     concurrent = drift[:1] + [RepeatPair(12, "sparse_on", _arm("sparse_on", on[:2], None),
                                          _arm("sparse_recovery", on[:2], None))]
     assert worst_turn_median(concurrent) is None  # the pairs served different steps
+
+
+def test_with_sparse_ons_arrivals_sparse_on_goes_first_and_the_recovery_arm_waits_for_its_own_pairs_sends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[tuple[str, ArmRun | None, ArmRun]] = []
+
+    def fake_run_arm(config, pair, session, arm, root, progress, not_before=None):
+        run = _arm(arm, [1.0, 2.0], None)
+        served.append((arm, not_before, run))
+        return run
+
+    monkeypatch.setattr(run_mod, "run_arm", fake_run_arm)
+    config = run_mod.BenchConfig(workdir=tmp_path, repeats=2, arrivals="sparse-on",
+                                 shape=sessions.Shape(context_chars=400, turns=2))
+    session = sessions.build("concurrent", config.shape, 30.0, 3)
+    result = SessionResult("concurrent", session.description, concurrent=True)
+    run_mod._serve_arms(config, ModelPair(tmp_path, "t", "d"), "concurrent", session, result, lambda line: None)
+    assert [arm for arm, _, _ in served] == ["sparse_off", "sparse_on", "sparse_recovery", "sparse_on",
+                                            "sparse_recovery"]
+    # Each recovery arm waits for the sends of the sparse-on arm of its own pair, nobody else does.
+    assert served[2][1] is served[1][2] and served[4][1] is served[3][2]
+    assert [b for arm, b, _ in served if arm != "sparse_recovery"] == [None, None, None]
+    assert [p.first for p in result.repeats] == ["sparse_on", "sparse_on"]
+
+    # A sequential session has no arrivals to take: the pairs alternate as before.
+    served.clear()
+    run_mod._serve_arms(config, ModelPair(tmp_path, "t", "d"), "agent", sessions.build("agent", config.shape, 1.0),
+                        SessionResult("agent", "test"), lambda line: None)
+    assert [arm for arm, _, _ in served][3:] == ["sparse_recovery", "sparse_on"]
+    assert all(b is None for _, b, _ in served)
+
+    from mlx_recovery_plugin.bench.server.cli import _config
+    from mlx_recovery_plugin.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert _config(parse(["bench", "server"]), tmp_path).arrivals == "own"
+    assert _config(parse(["bench", "server", "--arrivals", "sparse-on"]), tmp_path).arrivals == "sparse-on"
+    with pytest.raises(SystemExit):
+        parse(["bench", "server", "--arrivals", "recovery"])

@@ -44,6 +44,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="serve sparse on and sparse on + recovery this many times per session, alternating which "
                    "goes first, each concurrent repeat on another schedule; the ratios' median and range are "
                    "reported (sparse off runs once; default 1)")
+    p.add_argument("--arrivals", choices=("own", "sparse-on"), default="own",
+                   help="concurrent session: own (every arm sends each next turn the think time after its own "
+                   "answer; default) or sparse-on (the recovery arm also waits until sparse on sent that turn, "
+                   "sparse on served first in every pair: both arms see the same arrivals wherever recovery "
+                   "was not slower, and the report gives the worst of those turns)")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="tokens of each conversation's long first user message, in the target's tokens (default 8500)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -85,6 +90,7 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
     config = BenchConfig(
         workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy,
         load_first_turn=bool(getattr(args, "load_first_turn", False)),
+        arrivals=getattr(args, "arrivals", None) or "own",
     )
     if args.quick:
         config.target, config.draft = QUICK_TARGET, QUICK_DRAFT

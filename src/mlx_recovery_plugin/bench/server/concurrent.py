@@ -2,7 +2,10 @@
 
 Each conversation's thread sends its first turn ``start_s`` into the session and each next
 turn ``think_s`` after its previous answer, in every arm (sparse off and sparse on too:
-what overlaps, and so what queues behind what, is part of what is measured). Records land
+what overlaps, and so what queues behind what, is part of what is measured). Given
+``not_before`` (another arm's send times), a turn also waits until the other arm sent it:
+with a faster answer before it, it arrives when it arrived there, so both arms see the
+same arrivals wherever this one was not slower (``--arrivals sparse-on``). Records land
 in the session's step order, whatever order the answers came in, so the arms compare
 step by step. A turn's sparse route cannot be told from the log when several run at once;
 the arm's total of sparse requests is counted instead.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .client import send_turn
@@ -30,9 +33,14 @@ ReadStatus = Callable[[], dict[str, Any]]
 def serve_concurrently(
     session: Session, *, make_client: Callable[[], Any], model: str, max_tokens: int, absent_cached_is_zero: bool,
     read_status: ReadStatus | None, progress: Progress, tag: str, run: ArmRun,
+    not_before: Sequence[float | None] | None = None,
 ) -> None:
     """Serve ``session`` (``session.concurrent``) into ``run.steps``; ``read_status``: the
-    recovery arm's status after each turn and once at the end (``run.final_status``)."""
+    recovery arm's status after each turn and once at the end (``run.final_status``);
+    ``not_before``: per step, seconds into the session before which it is not sent (None:
+    its own schedule only)."""
+    if not_before is not None and len(not_before) != len(session.steps):
+        raise ValueError(f"{tag}: {len(not_before)} arrival times for {len(session.steps)} steps")
     by_conversation: dict[str, list[tuple[int, Step]]] = {}
     for index, step in enumerate(session.steps):
         by_conversation.setdefault(step.conversation, []).append((index, step))
@@ -46,6 +54,9 @@ def serve_concurrently(
         wake = started + steps[0][1].start_s
         try:
             for n, (index, step) in enumerate(steps):
+                other = not_before[index] if not_before is not None else None
+                if other is not None:
+                    wake = max(wake, started + other)
                 if failed.wait(max(0.0, wake - time.monotonic())):
                     return
                 sent = time.monotonic() - started

@@ -3,8 +3,9 @@
 One run per arm cannot tell recovery's effect from the machine's drift or, in a
 concurrent session, from which turn happened to queue behind which: a first turn a
 second slower can let the next conversation's turn in ahead of its own first token and
-double both. ``--repeats K`` serves the pair K times, alternating which arm goes first,
-each concurrent repeat on another seeded schedule (the same schedule for both arms of a
+double both. ``--repeats K`` serves the pair K times, alternating which arm goes first
+(sparse on always first with ``--arrivals sparse-on``, as the recovery arm waits for its
+send times), each concurrent repeat on another seeded schedule (the same schedule for both arms of a
 pair), and reports each pair's ratio of summed time to first token with their median and
 range. Beside it, the seconds the host itself spent in its sparse route (its log: the
 draft's scoring and the sparse prefill) tell the host's own work from waiting: a ratio of
@@ -117,6 +118,8 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         return None
     host = [r for r in (p.host_sparse_ratio() for p in pairs) if r is not None]
     alone = [r for p in pairs for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alone_only=True)]
+    alike = [r for p in pairs if p.sparse_recovery.arrivals_from == "sparse_on"
+             for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alike_only=True)]
     return {
         "pairs": [p.summary() for p in pairs],
         "ratio": spread([p.ratio() for p in pairs]),
@@ -126,6 +129,9 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "worst_later_turn_median_vs_on": _round(worst_turn_median(pairs)),
         "worst_alone_later_turn_vs_on": _round(max(alone)) if alone else None,
         "alone_later_turns": len(alone),
+        "worst_alike_later_turn_vs_on": _round(max(alike)) if alike else None,
+        "alike_later_turns": len(alike),
+        "alike_later_turns_above_1_1": sum(r > 1.1 for r in alike),
     }
 
 
@@ -135,7 +141,9 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
     if summary is None:
         return []
     ratio = summary["ratio"]
-    lines = [f"repeats ({ratio['n']} pairs, alternating which arm goes first): recovery / sparse on, summed TTFT, "
+    first = ("sparse on first in each, the recovery arm on its arrivals"
+             if all(p.sparse_recovery.arrivals_from == "sparse_on" for p in pairs) else "alternating which arm goes first")
+    lines = [f"repeats ({ratio['n']} pairs, {first}): recovery / sparse on, summed TTFT, "
              f"median {ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]"]
     host = summary["host_sparse_ratio"]
     if host is not None:
@@ -153,6 +161,10 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
         lines.append(f"worst later turn against sparse on of those no other request touched in either arm: "
                      f"{summary['worst_alone_later_turn_vs_on']:.2f}x ({summary['alone_later_turns']} such turns "
                      "over the pairs)")
+    if summary["worst_alike_later_turn_vs_on"] is not None:
+        lines.append(f"worst later turn against sparse on of those sent when sparse on sent them: "
+                     f"{summary['worst_alike_later_turn_vs_on']:.2f}x ({summary['alike_later_turns']} such turns "
+                     f"over the pairs, {summary['alike_later_turns_above_1_1']} above 1.1x)")
     for p in pairs:
         h = p.host_sparse_ratio()
         lines.append(

@@ -74,6 +74,7 @@ class ArmRun:
     final_status: dict[str, Any] | None = None  # concurrent recovery arm: the status once every turn was served
     sparse_requests: int | None = None  # concurrent: requests the sparse route served (log lines)
     host_sparse_s: float | None = None  # seconds the host's log says its sparse route took (None: cannot tell)
+    arrivals_from: str | None = None  # concurrent: no turn was sent before this arm sent it (--arrivals)
 
     @property
     def end_status(self) -> dict[str, Any] | None:
@@ -254,12 +255,17 @@ class SessionResult:
             return None
         return sum(x == y for x, y in pairs), len(pairs)
 
-    def worst_later_turn(self, alone_only: bool = False) -> float | None:
+    def worst_later_turn(self, alone_only: bool = False, alike_only: bool = False) -> float | None:
         """The largest ratio of a later turn's time with recovery to sparse on's
-        (``alone_only``: of the turns no queue touched in either arm, see
-        :mod:`.turn_ratios`)."""
-        ratios = later_turn_ratios(self.arms["sparse_on"].steps, self.arms["sparse_recovery"].steps, alone_only)
+        (``alone_only``: of the turns no queue touched in either arm; ``alike_only``: of
+        the turns that arrived alike; see :mod:`.turn_ratios`)."""
+        ratios = later_turn_ratios(self.arms["sparse_on"].steps, self.arms["sparse_recovery"].steps, alone_only,
+                                   alike_only)
         return max(ratios) if ratios else None
+
+    def arrivals_replayed(self) -> bool:
+        """Whether the recovery arm took sparse on's arrivals (``--arrivals sparse-on``)."""
+        return self.arms["sparse_recovery"].arrivals_from == "sparse_on"
 
     def committed_share(self) -> float | None:
         """Tokens recovery committed over the tokens its slices ran, at the end."""
@@ -325,6 +331,9 @@ class BenchReport:
         out["summary"] = {
             s.name: s.sums() | {"worst_later_turn_vs_on": s.worst_later_turn(),
                                   "worst_alone_later_turn_vs_on": s.worst_later_turn(alone_only=True),
+                                  "arrivals_from_sparse_on": s.arrivals_replayed(),
+                                  "worst_alike_later_turn_vs_on": (s.worst_later_turn(alike_only=True)
+                                                                   if s.arrivals_replayed() else None),
                                   "committed_share": s.committed_share(),
                                   "held_share": s.held_share()}
             | _route_summary(s) | {"host_sparse_s": {arm: s.arms[arm].host_sparse_s for arm in ARMS},
@@ -378,6 +387,8 @@ def format_session(result: SessionResult) -> list[str]:
         *([note] if note else []),
         *(["conversations on their own schedules: every arm waited the real think time, and turns "
            "queued behind each other; the status column is read after each turn"] if result.concurrent else []),
+        *(["arrivals from sparse on: the recovery arm sent no turn before sparse on had sent it (and none "
+           "sooner than the think time after its own answer)"] if result.arrivals_replayed() else []),
         f"{'step':>4} {'conv':>4} {'turn':>4} {'tokens':>7} | {'cached: off':>11} {'on':>6} {'on+rec':>7} "
         f"| {'TTFT s: off':>11} {'on':>6} {'on+rec':>7} {'oracle':>7} | {'rec-on':>7} {'rec-off':>7} | recovered",
     ]
@@ -416,6 +427,10 @@ def format_session(result: SessionResult) -> list[str]:
             alone = later_turn_ratios(on.steps, rec.steps, alone_only=True)
             parts.append(f"of the {len(alone)} of {count_later_turns(rec.steps)} later turns no other request touched in "
                          "either arm, " + (f"the worst {max(alone):.2f}x" if alone else "none"))
+            if result.arrivals_replayed():
+                alike = later_turn_ratios(on.steps, rec.steps, alike_only=True)
+                parts.append(f"of the {len(alike)} later turns sent when sparse on sent them, "
+                             + (f"the worst {max(alike):.2f}x" if alike else "none"))
         if kept is not None:
             parts.append(f"committed / run {kept:.2f}")
         held = result.held_share()

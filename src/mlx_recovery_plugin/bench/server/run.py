@@ -81,6 +81,10 @@ class BenchConfig:
     # sessions), every arm waiting that first think time out: every arm's first turn and
     # gap run on a loaded machine, the later turns on a quiet one: --load-first-turn.
     load_first_turn: bool = False
+    # Concurrent sessions: "own" (every arm sends each next turn think_s after its own
+    # answer) or "sparse-on" (the recovery arm also waits until sparse on sent the turn,
+    # sparse on served first in every pair): --arrivals.
+    arrivals: str = "own"
 
 
 def _private_dir(path: Path) -> Path:
@@ -144,13 +148,14 @@ def _read_status(server: ServerProcess) -> dict[str, Any]:
 
 def run_arm(
     config: BenchConfig, pair: ModelPair, session: sessions_mod.Session, arm: str, root: Path,
-    progress: Progress,
+    progress: Progress, not_before: ArmRun | None = None,
 ) -> ArmRun:
-    """Serve ``session`` on a fresh server for ``arm``; stops the server whatever happens."""
+    """Serve ``session`` on a fresh server for ``arm``; stops the server whatever happens.
+    ``not_before``: a concurrent session's turns are not sent before that arm sent them."""
     tag = f"[{session.name}] {arm.replace('_', ' ')}"
     spec = _server_spec(config, pair, root, arm)
     started = time.monotonic()
-    run = ArmRun(arm=arm, log_path=str(spec.log_path))
+    run = ArmRun(arm=arm, log_path=str(spec.log_path), arrivals_from=not_before.arm if not_before else None)
     with ServerProcess(spec) as server:
         progress(f"{tag}: server up at {server.base_url} in {time.monotonic() - started:.1f} s")
         api_key = spec.environment().get("FUSION_MLX_API_KEY", "unused")
@@ -167,6 +172,7 @@ def run_arm(
                 max_tokens=config.max_tokens, absent_cached_is_zero=zero,
                 read_status=(lambda: _read_status(server)) if arm == "sparse_recovery" else None,
                 progress=progress, tag=tag, run=run,
+                not_before=[s.sent_s for s in not_before.steps] if not_before is not None else None,
             )
             after = sparse_lines(config.host, server.log_text())
             run.sparse_requests = None if before is None or after is None else after - before
@@ -358,19 +364,24 @@ def _serve_arms(
     progress: Progress,
 ) -> None:
     """Sparse off once, then ``config.repeats`` pairs of sparse on and sparse on +
-    recovery, alternating which goes first, each concurrent repeat on the next schedule
-    seed (:mod:`.repeats`). The first pair is the session's arms."""
+    recovery, alternating which goes first (sparse on always first where the recovery arm
+    takes its arrivals), each concurrent repeat on the next schedule seed
+    (:mod:`.repeats`). The first pair is the session's arms."""
     root = config.workdir / "runs"
     result.arms["sparse_off"] = run_arm(config, pair, session, "sparse_off", root / f"{name}-sparse_off", progress)
     for r in range(config.repeats):
         seed = sessions_mod.DEFAULT_SEED + r
         served = session if r == 0 else sessions_mod.build(name, config.shape, config.think_s,
                                                            config.conversations, seed)
-        order = ("sparse_on", "sparse_recovery") if r % 2 == 0 else ("sparse_recovery", "sparse_on")
+        replay = session.concurrent and config.arrivals == "sparse-on"
+        order = ("sparse_on", "sparse_recovery") if r % 2 == 0 or replay else ("sparse_recovery", "sparse_on")
         if config.repeats > 1:
             progress(f"[{name}] repeat {r + 1}/{config.repeats} (schedule seed {seed}, {order[0].replace('_', ' ')} first)")
-        runs = {arm: run_arm(config, pair, served, arm, root / (f"{name}-{arm}" + (f"-r{r + 1}" if r else "")), progress)
-                for arm in order}
+        runs: dict[str, ArmRun] = {}
+        for arm in order:
+            after = runs["sparse_on"] if replay and arm == "sparse_recovery" else None
+            runs[arm] = run_arm(config, pair, served, arm, root / (f"{name}-{arm}" + (f"-r{r + 1}" if r else "")),
+                                progress, not_before=after)
         if r == 0:
             result.arms.update(runs)
         if config.repeats > 1:  # one pair is the session itself, not a repeat

@@ -7,6 +7,11 @@ waits for the first whichever arm it is. A turn that **ran alone** had no other 
 in flight from its sending to its first token; where the same turn ran alone in both
 arms, the ratio of the two times is the turn's own, with no queue in it. In a session of
 one conversation every turn runs alone.
+
+Where the recovery arm took sparse on's arrivals (``--arrivals sparse-on``), a turn it
+sent when sparse on sent it **arrived alike**: the same requests were in flight at its
+arrival in both arms, save what either arm's own speed changed. Its ratio may include a
+queue, but one both arms were dealt the same way.
 """
 
 from __future__ import annotations
@@ -38,10 +43,26 @@ def ran_alone(steps: Sequence[Turn]) -> list[bool]:
     return alone
 
 
-def later_turn_ratios(on: Sequence[Turn], rec: Sequence[Turn], alone_only: bool = False) -> list[float]:
+# A turn sent within this of the other arm's sending arrived alike (the threads wake on
+# time to a few milliseconds; an answer that came later moves a turn by seconds).
+SAME_ARRIVAL_S = 0.5
+
+
+def arrived_alike(on: Sequence[Turn], rec: Sequence[Turn]) -> list[bool]:
+    """Per step: recovery sent it within :data:`SAME_ARRIVAL_S` of sparse on's sending
+    (False for every step of a session whose requests were not timed on one clock)."""
+    return [a.sent_s is not None and b.sent_s is not None and abs(b.sent_s - a.sent_s) <= SAME_ARRIVAL_S
+            for a, b in zip(on, rec)]
+
+
+def later_turn_ratios(on: Sequence[Turn], rec: Sequence[Turn], alone_only: bool = False,
+                      alike_only: bool = False) -> list[float]:
     """Each later turn's time with recovery over its time with sparse on (the same turn of
-    the same conversation); ``alone_only``: only turns that ran alone in both arms."""
+    the same conversation); ``alone_only``: only turns that ran alone in both arms;
+    ``alike_only``: only turns that arrived alike."""
     keep = [a and b for a, b in zip(ran_alone(on), ran_alone(rec))] if alone_only else [True] * len(rec)
+    if alike_only:
+        keep = [k and a for k, a in zip(keep, arrived_alike(on, rec))]
     return [c.ttft_s / max(b.ttft_s, 1e-9) for b, c, k in zip(on, rec, keep) if k and (c.turn > 1 or c.label)]
 
 
