@@ -317,3 +317,41 @@ def test_prefills_admitted_in_one_call_are_each_charged_their_own_part(
     assert by_id["short"] < 0.5 * by_id["long"], by_id
     assert by_id["short"] + by_id["long"] <= wall, (by_id, wall)
     sched.shutdown()
+
+
+@pytest.mark.parametrize("long_first", [False, True], ids=["short-first", "long-first"])
+def test_a_chunked_prefill_admitted_beside_a_finished_one_is_charged_its_first_chunk(
+    instrumentor: OmlxInstrumentor,
+    recorder: EventRecorder,
+    models: tuple[Any, Any],
+    tmp_path: Path,
+    long_first: bool,
+) -> None:
+    """In chunked mode oMLX runs a long prompt's first chunk in the call that admits it,
+    beside a short prompt it finishes there. The call belongs to the two of them: their
+    shares add up to the time from admission to the long one's first token, and the
+    short one is not charged the long one's chunk (before, a chunk after the short one's
+    stamp was charged to nobody, and one before it to the short one)."""
+    model, tokenizer = models
+    config = ServeConfig(model_id="tiny", block_size=64, prefill_step=512, sparse_threshold=4096, pool_blocks=256)
+    sched = make_scheduler(model, tokenizer, tmp_path / "chunked", config)
+    sched.config.chunked_prefill = True
+    instrumentor.attach(sched)
+    prompts = [("short", contract_tokens(100, seed=7)), ("long", contract_tokens(1100, seed=8))]
+    for rid, prompt in reversed(prompts) if long_first else prompts:
+        sched.add_request(make_request(rid, prompt, max_tokens=2, sparse=False))
+    started = time.perf_counter()
+    sched.step()
+    assert "short" in sched.running and [r.request_id for r in sched.prefilling] == ["long"]
+    for _ in range(20):
+        if any(e.request_id == "long" for e in recorder.prefills):
+            break
+        sched.step()
+    wall = time.perf_counter() - started
+    by_id = {e.request_id: e.prefill_s for e in recorder.prefills}
+    assert set(by_id) == {"short", "long"}
+    assert 0.9 * wall <= by_id["short"] + by_id["long"] <= wall, (by_id, wall)
+    assert by_id["short"] < by_id["long"] / 3, by_id
+    while sched.has_requests():
+        sched.step()
+    sched.shutdown()

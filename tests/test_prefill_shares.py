@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_recovery_plugin.events import DepartureReason
-from mlx_recovery_plugin.hosts.prefill_shares import PrefillShares, sequential_shares
+from mlx_recovery_plugin.hosts.prefill_shares import PrefillShares, admission_shares
 from mlx_recovery_plugin.hosts.records import EngineBook, EngineRecord, LiveRequest
 
 
@@ -91,9 +91,24 @@ def test_one_calls_prefills_in_turn_are_each_charged_their_own_part() -> None:
     """oMLX's stamps (its own clock, 100.0-103.0) say the short one ended 0.25 s into the
     call and the long one 2.75 s after that; the call took 6 s on the adapter's clock (a
     clock that ran twice as fast), so 0.5 s and 5.5 s, in the order the stamps came."""
-    shares = sequential_shares(6.0, 100.0, 103.0, [103.0, 100.25])
+    shares = admission_shares(6.0, 100.0, 103.0, [(103.0, 2400.0), (100.25, 150.0)])
     assert shares == pytest.approx([5.5, 0.5])
     assert sum(shares or []) == pytest.approx(6.0)
+
+
+def test_a_chunked_prompts_first_chunk_after_the_last_stamp_is_its_own() -> None:
+    """Chunked mode: the short prompt finished 0.5 s into the call, then the long one's
+    first chunk ran to the call's end without a stamp: the rest of the call is its."""
+    shares = admission_shares(3.0, 100.0, 103.0, [(100.5, 100.0), (None, 512.0)])
+    assert shares == pytest.approx([0.5, 2.5])
+
+
+def test_a_first_chunk_before_a_stamp_shares_that_stretch_by_tokens() -> None:
+    """The long prompt's first chunk (512 tokens) ran before the short one (100) finished
+    at 1.224 s: that stretch is split 512 : 100; the 1.776 s after the last stamp had no
+    prefill left to run and goes to nobody."""
+    shares = admission_shares(3.0, 100.0, 103.0, [(None, 512.0), (101.224, 100.0)])
+    assert shares == pytest.approx([1.024, 0.2])
 
 
 @pytest.mark.parametrize(
@@ -103,8 +118,8 @@ def test_one_calls_prefills_in_turn_are_each_charged_their_own_part() -> None:
 )
 def test_stamps_outside_the_call_fall_back_to_an_even_split(stamps: list[float]) -> None:
     """A stamp from another clock or an earlier step says nothing of this call."""
-    assert sequential_shares(3.0, 100.0, 103.0, stamps) is None
+    assert admission_shares(3.0, 100.0, 103.0, [(s, 1.0) for s in stamps]) is None
 
 
 def test_a_call_of_no_length_on_the_hosts_clock_gives_no_parts() -> None:
-    assert sequential_shares(0.2, 100.0, 100.0, [100.0]) is None
+    assert admission_shares(0.2, 100.0, 100.0, [(100.0, 1.0)]) is None

@@ -8,7 +8,7 @@ learns a sparse turn three times as dear as it is (a 10 s sparse rerun read as 2
 a partial publication that lost was judged to pay). Here each prefill is charged
 ``dt / n`` for every interval ``dt`` in which ``n`` prefills were in flight: a
 processor-sharing clock. Alone, a prefill's share is its wall time. Where the host says
-when each of one call's prefills ended (oMLX stamps it), :func:`sequential_shares` gives
+when each of one call's prefills ended (oMLX stamps it), :func:`admission_shares` gives
 each its own part of the call instead of an even split.
 
 An interval the host spent taking another request in (oMLX's draft scores a sparse
@@ -55,24 +55,48 @@ class PrefillShares:
             self._at = end
 
 
-def sequential_shares(
-    call_s: float, host_began: float, host_end: float, stamps: list[float]
+def admission_shares(
+    call_s: float, host_began: float, host_end: float, taken: list[tuple[float | None, float]]
 ) -> list[float] | None:
-    """Each prefill's seconds when one call ran them one after another (oMLX's admission
-    call prefills each admitted request in turn), from the host's stamp of when each
-    ended: the earliest from the call's start, each later one from the one before it.
+    """Each request's seconds of one call that admitted several in turn (oMLX's
+    admission call), from the host's stamp of when each finished its prefill.
 
-    ``host_began`` and ``host_end`` are the call's bounds on the host's clock, the one it
-    stamps with; the seconds come back in the order of ``stamps``, scaled to ``call_s``,
-    the call's length on the adapter's clock. None where a stamp falls outside the call
-    (another clock, or a stamp from before it): the caller then splits the call evenly."""
+    ``taken`` is one ``(stamp, tokens)`` per request, in the order the host took them;
+    ``stamp`` is None for one the call left prefilling (chunked mode: its first chunk ran
+    in the call, and it has no stamp). The time from one stamp to the next belongs to
+    the stamped request and any unstamped ones taken just before it, split by tokens;
+    the time after the last stamp, to the unstamped ones after it (else to nobody: the
+    call's own bookkeeping). ``host_began`` and ``host_end`` are the call's bounds on the
+    host's clock; the seconds come back in the order of ``taken``, scaled to ``call_s``,
+    the call's length on the adapter's clock. Stamps out of the order given are taken in
+    their own order, the unstamped after them. None where a stamp falls outside the
+    call (another clock, or a stamp from before it): the caller then splits evenly."""
     span = host_end - host_began
-    if not stamps or span <= 0 or any(not host_began <= s <= host_end for s in stamps):
+    stamps = [stamp for stamp, _ in taken if stamp is not None]
+    if not taken or span <= 0 or any(not host_began <= s <= host_end for s in stamps):
         return None
+    order = list(range(len(taken)))
+    if stamps != sorted(stamps):
+        stamped = sorted((i for i in order if taken[i][0] is not None), key=lambda i: taken[i][0] or 0.0)
+        order = stamped + [i for i in order if taken[i][0] is None]
     scale = call_s / span
-    shares = [0.0] * len(stamps)
+    shares = [0.0] * len(taken)
     previous = host_began
-    for i in sorted(range(len(stamps)), key=stamps.__getitem__):
-        shares[i] = (stamps[i] - previous) * scale
-        previous = stamps[i]
+    members: list[int] = []
+    for i in order:
+        members.append(i)
+        stamp = taken[i][0]
+        if stamp is not None:
+            _split(shares, members, (stamp - previous) * scale, taken)
+            previous, members = stamp, []
+    if members:
+        _split(shares, members, (host_end - previous) * scale, taken)
     return shares
+
+
+def _split(shares: list[float], members: list[int], seconds: float, taken: list[tuple[float | None, float]]) -> None:
+    """``seconds`` to ``members`` in proportion to their tokens (evenly without any)."""
+    weights = [max(0.0, taken[i][1]) for i in members]
+    total = sum(weights)
+    for i, weight in zip(members, weights, strict=True):
+        shares[i] += seconds * (weight / total if total > 0 else 1.0 / len(members))

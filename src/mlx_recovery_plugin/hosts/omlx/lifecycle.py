@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
-from ..prefill_shares import sequential_shares
+from ..prefill_shares import admission_shares
 from ..records import EngineBook, LiveRequest, tokens_of_prompt, tokens_of_request
 from ..records import EngineRecord as _EngineRecord
 from .idle_driver import IdleDriver
@@ -117,7 +117,10 @@ class Lifecycle(EngineBook):
         oMLX prefills the requests it admits one after another inside this call and
         stamps each as it joins ``running``; from those stamps each is charged its own
         seconds, and the call is nobody else's (prefills in flight before it, chunked
-        ones, do not move during it). Without usable stamps the call is split evenly."""
+        ones, do not move during it). A request that joined ``prefilling`` here (chunked
+        mode) ran its first chunk in the call and has no stamp: it shares the stretch it
+        ran in with the next stamped one, by tokens. Without usable stamps the call is
+        split evenly among the requests it admitted."""
         if not before:
             return
         now = self._clock()
@@ -128,7 +131,9 @@ class Lifecycle(EngineBook):
         prefilling = {r.request_id for r in scheduler.prefilling}
         waiting_before = set(before)
         new: list[tuple[str, int]] = []
-        done_here: list[tuple[LiveRequest, float | None]] = []
+        # In the order the host took them: (live, its stamp, tokens it ran here, finished).
+        taken: list[tuple[LiveRequest, float | None, float, bool]] = []
+        chunk = int(getattr(getattr(scheduler, "config", None), "prefill_step_size", 0) or 0)
         with record.lock:
             for rid, live in record.live.items():
                 # A chunked prefill that completed before this call, at the step's start.
@@ -142,11 +147,15 @@ class Lifecycle(EngineBook):
                     continue
                 record.mark_admitted(live, began_at)
                 request = scheduler.requests.get(rid)
-                new.append((rid, int(getattr(request, "cached_tokens", 0) or 0)))
-                if rid not in prefilling:
+                cached = int(getattr(request, "cached_tokens", 0) or 0)
+                new.append((rid, cached))
+                tokens = float(max(0, int(getattr(request, "num_prompt_tokens", 0) or 0) - cached))
+                if rid in prefilling:  # chunked: its first chunk ran here
+                    taken.append((live, None, float(min(chunk, tokens)) if chunk > 0 else tokens, False))
+                else:
                     stamp = getattr(scheduler.running.get(rid), "generation_started_at", None)
-                    done_here.append((live, float(stamp) if isinstance(stamp, (int, float)) else None))
-            self._charge_call(record, done_here, began_at, now, host_began, host_end)
+                    taken.append((live, float(stamp) if isinstance(stamp, (int, float)) else None, tokens, True))
+            self._charge_call(record, taken, began_at, now, host_began, host_end)
         for rid, cached in new:
             self.emitter.request_admitted(
                 RequestAdmitted(engine_id=record.engine_id, request_id=rid, cached_tokens=cached),
@@ -155,25 +164,28 @@ class Lifecycle(EngineBook):
     @staticmethod
     def _charge_call(
         record: EngineRecord,
-        done_here: list[tuple[LiveRequest, float | None]],
+        taken: list[tuple[LiveRequest, float | None, float, bool]],
         began_at: float,
         now: float,
         host_began: float | None,
         host_end: float,
     ) -> None:
-        """Each prefill the call finished gets its part of the call (under ``lock``)."""
-        if not done_here:
+        """The call's seconds go to the prefills it admitted and to nobody else (under
+        ``lock``): a finished one's becomes its share, a chunked one's is counted as if
+        it had been in flight that long before the call."""
+        if not taken:
             return
-        stamps = [stamp for _, stamp in done_here if stamp is not None]
+        call_s = max(0.0, now - began_at)
         shares = None
-        if host_began is not None and len(stamps) == len(done_here):
-            shares = sequential_shares(now - began_at, host_began, host_end, stamps)
+        if host_began is not None and all(stamp is not None for _, stamp, _, done in taken if done):
+            shares = admission_shares(call_s, host_began, host_end, [(s, t) for _, s, t, _ in taken])
         if shares is None:
-            for live, _ in done_here:
-                record.mark_prefill_done(live, now)
-            return
-        for (live, _), share in zip(done_here, shares, strict=True):
-            live.share_s = share
+            shares = [call_s / len(taken)] * len(taken)
+        for (live, _, _, done), share in zip(taken, shares, strict=True):
+            if done:
+                live.share_s = share
+            elif live.share_from is not None:
+                live.share_from -= share  # admitted at the call's start: its share so far
         # The finished ones are out of flight now; the call was theirs alone.
         record.shares.skip(began_at, now, record.prefills_in_flight())
 
