@@ -224,6 +224,39 @@ def test_with_sparse_ons_arrivals_the_worst_later_turn_is_taken_over_the_turns_s
     assert summary["concurrent"]["worst_alike_later_turn_vs_on"] == pytest.approx(1.2)
 
 
+def test_two_turns_that_queued_together_in_both_arms_are_compared_summed_whatever_their_order() -> None:
+    """A's and B's turn 2 arrive together in both arms: sparse on served A first (5 s,
+    then B 10 s), recovery B first (B 5 s, then A 10.5 s): A's turn alone reads 2.1x,
+    the queue 15.5 s against 15 s. C's first turn queued behind A's with recovery and ran
+    alone with sparse on: not one queue in both arms, left out. C's turn 2 ran alone in
+    both (a queue of one), and once it takes twice as long it is the worst."""
+    on = [("A", 1, 0.0, 5.0, 5.0), ("C", 1, 6.0, 5.0, 11.0), ("A", 2, 30.0, 5.0, 35.1),
+          ("B", 2, 30.0, 10.0, 40.1), ("C", 2, 50.0, 3.0, 53.0)]
+    rec = [("A", 1, 0.0, 5.0, 5.0), ("C", 1, 4.0, 6.0, 10.0), ("A", 2, 30.0, 10.5, 40.6),
+           ("B", 2, 30.0, 5.0, 35.1), ("C", 2, 50.0, 3.1, 53.1)]
+    arms = {}
+    for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec)):
+        arms[arm] = ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
+                                        for i, (c, t, sent, ttft, done) in enumerate(rows)])
+    result = SessionResult("concurrent", "test", arms, concurrent=True)
+    assert result.worst_later_turn() == pytest.approx(2.1)
+    assert result.worst_same_queue() == pytest.approx(15.5 / 15.0)
+    text = "\n".join(format_session(result))
+    assert "of the 2 queues the same turns formed in both arms (3 turns), summed, the worst 1.03x" in text
+    summary = BenchReport("t", "d", "h", "b", 50.0, 30.0, 1.0, 2, "auto", sessions=[result]).to_json()["summary"]
+    assert summary["concurrent"]["worst_same_queue_vs_on"] == pytest.approx(15.5 / 15.0)
+    from mlx_recovery_plugin.bench.server.repeats import RepeatPair, repeat_lines, repeats_summary
+
+    pairs = [RepeatPair(seed, "sparse_on", arms["sparse_on"], arms["sparse_recovery"]) for seed in (11, 12)]
+    assert repeats_summary(pairs)["same_queues"] == 4
+    assert repeats_summary(pairs)["same_queues_above_1_1"] == 0
+    arms["sparse_recovery"].steps[4].ttft_s = 6.2
+    assert result.worst_same_queue() == pytest.approx(6.2 / 3.0)
+    assert repeats_summary(pairs)["same_queues_above_1_1"] == 2
+    assert any("worst queue against sparse on, summed" in line and "2.07x (4 such queues" in line
+               for line in repeat_lines(pairs))
+
+
 def test_an_unqueued_dense_rate_lets_the_best_reachable_count_turns_the_queued_rate_would_not() -> None:
     """Sparse off's first turns queued behind each other (9,000 tokens in 18 s and 27 s: at
     most 500 tokens/s); with the balance's unqueued rate of 2,000 tokens/s, A's 12 idle

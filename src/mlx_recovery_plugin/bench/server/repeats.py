@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .turn_ratios import later_turn_ratios
+from .turn_ratios import later_turn_ratios, same_queue_ratios
 
 if TYPE_CHECKING:
     from .report import ArmRun
@@ -120,6 +120,7 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
     alone = [r for p in pairs for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alone_only=True)]
     alike = [r for p in pairs if p.sparse_recovery.arrivals_from == "sparse_on"
              for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alike_only=True)]
+    queued = [q for p in pairs for q in same_queue_ratios(p.sparse_on.steps, p.sparse_recovery.steps)]
     return {
         "pairs": [p.summary() for p in pairs],
         "ratio": spread([p.ratio() for p in pairs]),
@@ -132,6 +133,9 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "worst_alike_later_turn_vs_on": _round(max(alike)) if alike else None,
         "alike_later_turns": len(alike),
         "alike_later_turns_above_1_1": sum(r > 1.1 for r in alike),
+        "worst_same_queue_vs_on": _round(max(r for _, r in queued)) if queued else None,
+        "same_queues": len(queued),
+        "same_queues_above_1_1": sum(r > 1.1 for _, r in queued),
     }
 
 
@@ -165,6 +169,10 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
         lines.append(f"worst later turn against sparse on of those sent when sparse on sent them: "
                      f"{summary['worst_alike_later_turn_vs_on']:.2f}x ({summary['alike_later_turns']} such turns "
                      f"over the pairs, {summary['alike_later_turns_above_1_1']} above 1.1x)")
+    if summary["worst_same_queue_vs_on"] is not None:
+        lines.append(f"worst queue against sparse on, summed, of those the same turns formed in both arms: "
+                     f"{summary['worst_same_queue_vs_on']:.2f}x ({summary['same_queues']} such queues over the "
+                     f"pairs, {summary['same_queues_above_1_1']} above 1.1x)")
     for p in pairs:
         h = p.host_sparse_ratio()
         lines.append(

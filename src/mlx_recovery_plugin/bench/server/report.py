@@ -33,7 +33,7 @@ from typing import Any
 
 from ...demo.report import ARM_TITLES, ARMS
 from .repeats import RepeatPair, repeat_lines, repeats_summary
-from .turn_ratios import count_later_turns, later_turn_ratios
+from .turn_ratios import count_later_turns, later_turn_ratios, same_queue_ratios
 
 ORACLE = "oracle"
 BEST = "best_reachable"
@@ -263,6 +263,13 @@ class SessionResult:
                                    alike_only)
         return max(ratios) if ratios else None
 
+    def worst_same_queue(self) -> float | None:
+        """The largest ratio of a queue's summed time with recovery to sparse on's, over
+        the queues of later turns the same turns formed in both arms (see
+        :mod:`.turn_ratios`; concurrent sessions only)."""
+        ratios = [r for _, r in same_queue_ratios(self.arms["sparse_on"].steps, self.arms["sparse_recovery"].steps)]
+        return max(ratios) if ratios else None
+
     def arrivals_replayed(self) -> bool:
         """Whether the recovery arm took sparse on's arrivals (``--arrivals sparse-on``)."""
         return self.arms["sparse_recovery"].arrivals_from == "sparse_on"
@@ -334,6 +341,7 @@ class BenchReport:
                                   "arrivals_from_sparse_on": s.arrivals_replayed(),
                                   "worst_alike_later_turn_vs_on": (s.worst_later_turn(alike_only=True)
                                                                    if s.arrivals_replayed() else None),
+                                  "worst_same_queue_vs_on": s.worst_same_queue(),
                                   "committed_share": s.committed_share(),
                                   "held_share": s.held_share()}
             | _route_summary(s) | {"host_sparse_s": {arm: s.arms[arm].host_sparse_s for arm in ARMS},
@@ -431,6 +439,10 @@ def format_session(result: SessionResult) -> list[str]:
                 alike = later_turn_ratios(on.steps, rec.steps, alike_only=True)
                 parts.append(f"of the {len(alike)} later turns sent when sparse on sent them, "
                              + (f"the worst {max(alike):.2f}x" if alike else "none"))
+            same = same_queue_ratios(on.steps, rec.steps)
+            parts.append(f"of the {len(same)} queues the same turns formed in both arms "
+                         f"({sum(n for n, _ in same)} turns), summed, "
+                         + (f"the worst {max(r for _, r in same):.2f}x" if same else "none"))
         if kept is not None:
             parts.append(f"committed / run {kept:.2f}")
         held = result.held_share()

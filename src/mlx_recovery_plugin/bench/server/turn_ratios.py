@@ -12,6 +12,13 @@ Where the recovery arm took sparse on's arrivals (``--arrivals sparse-on``), a t
 sent when sparse on sent it **arrived alike**: the same requests were in flight at its
 arrival in both arms, save what either arm's own speed changed. Its ratio may include a
 queue, but one both arms were dealt the same way.
+
+Turns that **queued together** (each in flight while another waited for its first
+token, directly or through a third) are one queue; the host serves a queue's turns in
+an order of its own, so a turn's place in it is not recovery's doing. Where the same
+turns formed a queue in both arms, the ratio of the queue's summed times to first token
+is recovery's effect on them with the order taken out (a queue of one is a turn that
+ran alone).
 """
 
 from __future__ import annotations
@@ -64,6 +71,45 @@ def later_turn_ratios(on: Sequence[Turn], rec: Sequence[Turn], alone_only: bool 
     if alike_only:
         keep = [k and a for k, a in zip(keep, arrived_alike(on, rec))]
     return [c.ttft_s / max(b.ttft_s, 1e-9) for b, c, k in zip(on, rec, keep) if k and (c.turn > 1 or c.label)]
+
+
+def queues(steps: Sequence[Turn]) -> list[frozenset[int]]:
+    """The steps (by index) that queued together, one set per queue, each step in one
+    (a step of a session whose requests were not timed on one clock is a queue alone)."""
+    if any(s.sent_s is None or s.done_s is None for s in steps):
+        return [frozenset([i]) for i in range(len(steps))]
+    owner = list(range(len(steps)))
+
+    def root(i: int) -> int:
+        while owner[i] != i:
+            owner[i] = owner[owner[i]]
+            i = owner[i]
+        return i
+
+    for i, s in enumerate(steps):
+        start, first = float(s.sent_s or 0.0), float(s.sent_s or 0.0) + s.ttft_s
+        for j, o in enumerate(steps):
+            if j != i and float(o.sent_s or 0.0) < first and float(o.done_s or 0.0) > start:
+                owner[root(i)] = root(j)
+    groups: dict[int, set[int]] = {}
+    for i in range(len(steps)):
+        groups.setdefault(root(i), set()).add(i)
+    return [frozenset(g) for g in groups.values()]
+
+
+def same_queue_ratios(on: Sequence[Turn], rec: Sequence[Turn]) -> list[tuple[int, float]]:
+    """Per queue of later turns that the same turns formed in both arms (and the first
+    turns queued with them): its size and its summed time with recovery over sparse
+    on's (none for a session whose requests were not timed on one clock)."""
+    if any(s.sent_s is None or s.done_s is None for s in (*on, *rec)):
+        return []
+    theirs = set(queues(on))
+    out = []
+    for group in queues(rec):
+        if group in theirs and any(rec[i].turn > 1 or rec[i].label for i in group):
+            out.append((len(group), sum(rec[i].ttft_s for i in group)
+                        / max(sum(on[i].ttft_s for i in group), 1e-9)))
+    return out
 
 
 def count_later_turns(rec: Sequence[Turn]) -> int:
