@@ -182,6 +182,15 @@ def test_the_best_reachable_of_a_concurrent_session_counts_only_time_with_no_req
     assert result.sums()["best_reachable"] == pytest.approx(10.1)
 
 
+def _arms_of(on: list[tuple[str, int, float, float, float]],
+             rec: list[tuple[str, int, float, float, float]]) -> dict[str, ArmRun]:
+    """Sparse off and on from ``on``, recovery from ``rec``: rows of (conversation, turn,
+    sent, ttft, done), 9,000-token prompts."""
+    return {arm: ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
+                                    for i, (c, t, sent, ttft, done) in enumerate(rows)])
+            for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec))}
+
+
 def test_the_worst_later_turn_no_queue_touched_leaves_out_turns_that_queued_in_either_arm() -> None:
     """B's turn 2 arrived while A's was in flight in the recovery arm and took 3x sparse
     on's: the worst later turn says 3x, the worst of those no other request touched (A's
@@ -190,10 +199,7 @@ def test_the_worst_later_turn_no_queue_touched_leaves_out_turns_that_queued_in_e
           ("B", 2, 30.0, 2.0, 32.0), ("B", 3, 40.0, 2.0, 42.0)]
     rec = [("A", 1, 0.0, 5.0, 5.0), ("B", 1, 10.0, 5.0, 15.0), ("A", 2, 20.0, 4.2, 31.0),
            ("B", 2, 30.0, 6.0, 36.0), ("B", 3, 40.0, 2.0, 42.0)]
-    arms = {}
-    for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec)):
-        arms[arm] = ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
-                                        for i, (c, t, sent, ttft, done) in enumerate(rows)])
+    arms = _arms_of(on, rec)
     result = SessionResult("concurrent", "test", arms, concurrent=True)
     assert result.worst_later_turn() == pytest.approx(3.0)
     assert result.worst_later_turn(alone_only=True) == pytest.approx(1.05)
@@ -207,10 +213,7 @@ def test_with_sparse_ons_arrivals_the_worst_later_turn_is_taken_over_the_turns_s
           ("B", 2, 40.0, 2.0, 42.0)]
     rec = [("A", 1, 0.0, 5.0, 5.0), ("B", 1, 18.0, 9.0, 27.0), ("A", 2, 20.1, 6.0, 26.1),
            ("B", 2, 44.0, 4.0, 48.0)]
-    arms = {}
-    for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec)):
-        arms[arm] = ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
-                                        for i, (c, t, sent, ttft, done) in enumerate(rows)])
+    arms = _arms_of(on, rec)
     result = SessionResult("concurrent", "test", arms, concurrent=True)
     assert not result.arrivals_replayed()
     text = "\n".join(format_session(result))
@@ -234,10 +237,7 @@ def test_two_turns_that_queued_together_in_both_arms_are_compared_summed_whateve
           ("B", 2, 30.0, 10.0, 40.1), ("C", 2, 50.0, 3.0, 53.0)]
     rec = [("A", 1, 0.0, 5.0, 5.0), ("C", 1, 4.0, 6.0, 10.0), ("A", 2, 30.0, 10.5, 40.6),
            ("B", 2, 30.0, 5.0, 35.1), ("C", 2, 50.0, 3.1, 53.1)]
-    arms = {}
-    for arm, rows in (("sparse_off", on), ("sparse_on", on), ("sparse_recovery", rec)):
-        arms[arm] = ArmRun(arm, steps=[_record(i + 1, c, t, 9000, ttft, sent, done)
-                                        for i, (c, t, sent, ttft, done) in enumerate(rows)])
+    arms = _arms_of(on, rec)
     result = SessionResult("concurrent", "test", arms, concurrent=True)
     assert result.worst_later_turn() == pytest.approx(2.1)
     assert result.worst_same_queue() == pytest.approx(15.5 / 15.0)
