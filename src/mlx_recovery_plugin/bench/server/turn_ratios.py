@@ -35,19 +35,29 @@ class Turn(Protocol):
     done_s: float | None
 
 
+def timed_on_one_clock(steps: Sequence[Turn]) -> bool:
+    """Whether every step says when it was sent and when it ended (concurrent sessions)."""
+    return all(s.sent_s is not None and s.done_s is not None for s in steps)
+
+
+def in_flight_while_waiting(steps: Sequence[Turn]) -> list[list[int]] | None:
+    """Per step: the other steps (by index) in flight between its sending and its first
+    token (None for a session whose requests were not timed on one clock)."""
+    if not timed_on_one_clock(steps):
+        return None
+    beside = []
+    for i, s in enumerate(steps):
+        start, first = float(s.sent_s or 0.0), float(s.sent_s or 0.0) + s.ttft_s
+        beside.append([j for j, o in enumerate(steps)
+                       if j != i and float(o.sent_s or 0.0) < first and float(o.done_s or 0.0) > start])
+    return beside
+
+
 def ran_alone(steps: Sequence[Turn]) -> list[bool]:
     """Per step: no other request was in flight between its sending and its first token
     (True for every step of a session whose requests were not timed on one clock)."""
-    if any(s.sent_s is None or s.done_s is None for s in steps):
-        return [True] * len(steps)
-    alone = []
-    for i, s in enumerate(steps):
-        start, first = float(s.sent_s or 0.0), float(s.sent_s or 0.0) + s.ttft_s
-        alone.append(not any(
-            j != i and float(o.sent_s or 0.0) < first and float(o.done_s or 0.0) > start
-            for j, o in enumerate(steps)
-        ))
-    return alone
+    beside = in_flight_while_waiting(steps)
+    return [True] * len(steps) if beside is None else [not others for others in beside]
 
 
 # A turn sent within this of the other arm's sending arrived alike (the threads wake on
@@ -76,7 +86,8 @@ def later_turn_ratios(on: Sequence[Turn], rec: Sequence[Turn], alone_only: bool 
 def queues(steps: Sequence[Turn]) -> list[frozenset[int]]:
     """The steps (by index) that queued together, one set per queue, each step in one
     (a step of a session whose requests were not timed on one clock is a queue alone)."""
-    if any(s.sent_s is None or s.done_s is None for s in steps):
+    beside = in_flight_while_waiting(steps)
+    if beside is None:
         return [frozenset([i]) for i in range(len(steps))]
     owner = list(range(len(steps)))
 
@@ -86,11 +97,9 @@ def queues(steps: Sequence[Turn]) -> list[frozenset[int]]:
             i = owner[i]
         return i
 
-    for i, s in enumerate(steps):
-        start, first = float(s.sent_s or 0.0), float(s.sent_s or 0.0) + s.ttft_s
-        for j, o in enumerate(steps):
-            if j != i and float(o.sent_s or 0.0) < first and float(o.done_s or 0.0) > start:
-                owner[root(i)] = root(j)
+    for i, others in enumerate(beside):
+        for j in others:
+            owner[root(i)] = root(j)
     groups: dict[int, set[int]] = {}
     for i in range(len(steps)):
         groups.setdefault(root(i), set()).add(i)
@@ -101,7 +110,7 @@ def same_queue_ratios(on: Sequence[Turn], rec: Sequence[Turn]) -> list[tuple[int
     """Per queue of later turns that the same turns formed in both arms (and the first
     turns queued with them): its size and its summed time with recovery over sparse
     on's (none for a session whose requests were not timed on one clock)."""
-    if any(s.sent_s is None or s.done_s is None for s in (*on, *rec)):
+    if not (timed_on_one_clock(on) and timed_on_one_clock(rec)):
         return []
     theirs = set(queues(on))
     out = []
