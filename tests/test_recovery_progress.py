@@ -313,6 +313,36 @@ def test_a_job_whose_whole_prefix_is_not_yet_clear_on_evidence_that_reaches_it_p
     assert rig.status()["counters"]["jobs_paused"] == 1
 
 
+def test_a_new_turn_of_a_conversation_still_not_yet_clear_runs_no_slice_for_it(rigs) -> None:
+    """X is run whole and held "not yet clear", and the host's own dense append tells the
+    policy what such a turn costs. X's conversation comes back with 200 more tokens at the
+    same sparse cost per token: the verdict on its whole prefix is still not clear, on
+    evidence that reaches it, so the new turn pauses the job without a slice (one would
+    only be held). Its held blocks stay, and a slow sparse turn still resumes and
+    publishes it."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    x = random_tokens(30, PROMPT)
+    rig.served(x, threshold=5000, prefill_s=3.51)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.status()["jobs"][0]["held_tokens"] == 960
+    other = random_tokens(31, 1512)
+    rig.prefilled(other, cached=960, route=Route.DENSE, seconds=1.3 * (1512 - 960) * A)
+    rig.idle(until=rig.clock() + 100.0)
+    counters = rig.status()["counters"]
+    ran, slices = counters["tokens_run"], counters["slices"]
+    longer = x + random_tokens(32, 200)
+    rig.served(longer, threshold=5000, prefill_s=2.9)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    (job,) = status["jobs"]
+    assert "not yet clear" in (job["paused"] or ""), repr((job, status["policy"]))
+    assert status["counters"]["slices"] == slices and status["counters"]["tokens_run"] == ran
+    assert job["held_tokens"] == 960 and job["stood_down"] is None
+    rig.prefilled(longer, cached=0, route=Route.SPARSE, seconds=12.0)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(longer) == 1152
+
+
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     prompt = random_tokens(16, PROMPT)

@@ -109,9 +109,8 @@ class RecoveryJob:
     paused: str | None = None
     #: The policy's evidence when the job paused: more evidence resumes it.
     paused_evidence: int = 0
-    #: A turn arrived since the last slice: the next slice runs before any stand-down or
-    #: pause, so the verdict is taken on a measurement of today's machine at the job's
-    #: frontier.
+    #: A turn arrived since the last slice: the next slice runs before any stand-down, so
+    #: that verdict is taken on a measurement of today's machine at the job's frontier.
     fresh_turn: bool = False
     #: The policy's evidence when the held blocks were last judged.
     held_evidence: int = 0

@@ -526,13 +526,16 @@ class EngineRecovery:
         and pause it (keeping what it holds) when the verdict on its whole prefix is not
         clear on evidence that already reaches it: its slices would only be held, and the
         idle time is better left to a job that pays (or to nobody). More evidence, or the
-        conversation's next turn, resumes it. The first slice after a new turn runs
-        regardless: the verdict is then taken on a measurement of the machine as it is now,
-        at the job's frontier."""
-        if job.fresh_turn:
-            return False
+        conversation's next turn, resumes it. After a new turn a stand-down waits for one
+        slice: it is then taken on a measurement of the machine as it is now, at the job's
+        frontier, so a wrong one costs at most a turn. A pause does not wait: it keeps what
+        is held, any new evidence resumes it, and with several conversations the slices a
+        paused job would run after each of its turns were only held and made other
+        conversations' turns slower (bench server, attention-bound target)."""
         decision = self.judge.before_work(job)
         if decision is None:
+            return False
+        if job.fresh_turn and decision.verdict is Verdict.STAND_DOWN:
             return False
         with self._lock:
             if decision.verdict is Verdict.STAND_DOWN:
