@@ -343,6 +343,32 @@ def test_a_new_turn_of_a_conversation_still_not_yet_clear_runs_no_slice_for_it(r
     assert rig.restorable(longer) == 1152
 
 
+@pytest.mark.parametrize(("sparse_s", "spilled"), [(60.0, 64), (4.8, 0)], ids=["whole-pays", "whole-unclear"])
+def test_past_the_byte_limit_blocks_spill_only_where_the_whole_prefix_is_expected_to_pay(
+    rigs, sparse_s: float, spilled: int
+) -> None:
+    """The host's dense appends at short contexts fit the cost model; the next turn stays
+    sparse over a one-block prefix (threshold 1,000 uncached), is dense over the whole one,
+    and no block can be held (cap 0). Where
+    the whole prefix is expected to pay (a 60 s sparse route), the first block is
+    published: it brings that prefix closer. Where the whole prefix is not clear (a dense
+    append of about 7.2 s against a sparse rerun of about 7.3 s), a published block would
+    only cost the sparse turn (its draft misses) for nothing: the job stands down and the
+    host's route is left alone."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, max_held_mib=0.0)
+    for seed, cached in enumerate((0, 200, 500)):
+        rig.prefilled(random_tokens(40 + seed, cached + 200), cached=cached, route=Route.DENSE,
+                      seconds=1.3 * 200 * A)
+    prompt = random_tokens(44, PROMPT)
+    rig.served(prompt, threshold=1000, prefill_s=sparse_s)
+    rig.engine.offer_idle_step()
+    assert rig.restorable(prompt) == spilled
+    (job,) = rig.status()["jobs"]
+    assert job["held_tokens"] == 0
+    if not spilled:
+        assert "would not pay" in (job["stood_down"] or ""), repr((job, rig.status()["policy"]))
+
+
 def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     prompt = random_tokens(16, PROMPT)

@@ -430,15 +430,23 @@ class EngineRecovery:
         with self._lock:
             held_elsewhere = sum(j.held_bytes() for j in self.book if j is not job)
             too_much = held_elsewhere + sum(b.nbytes for b in pending) > self._max_held_bytes
-        if decision.verdict is Verdict.PUBLISH or (decision.verdict is Verdict.HOLD and decision.may_spill and too_much):
+        spill = decision.verdict is Verdict.HOLD and decision.may_spill and too_much
+        whole = self.judge.before_work(job) if spill else None
+        if spill and whole is not None and whole.verdict is not Verdict.PUBLISH:
+            # A partial prefix under a sparse turn costs that turn on a host that keys its
+            # draft's reading by the uncached part (oMLX: 256 published tokens, 4.4x), and
+            # pays only by bringing a whole prefix that pays closer.
+            spill = False
+        if decision.verdict is Verdict.PUBLISH or spill:
             with self._lock:
                 job.release_held()
             return self._publish(job, pending)
         with self._lock:
             if decision.verdict is Verdict.HOLD:
                 if too_much:
+                    why = "" if whole is None else f"; publishing them would not pay: {whole.reason}"
                     self._stand_down_locked(
-                        job, f"holding {len(pending)} finished blocks would pass {env_name('max_held_mib')}"
+                        job, f"holding {len(pending)} finished blocks would pass {env_name('max_held_mib')}{why}"
                     )
                 else:
                     job.hold(pending, self.judge.evidence)
