@@ -118,6 +118,19 @@ def test_a_turn_slow_in_one_pair_only_does_not_decide_the_worst_later_turn_but_o
     assert worst_turn_median(concurrent) is None  # the pairs served different steps
 
 
+def test_the_first_turns_spread_is_reported_as_the_floor_the_later_turns_are_read_against() -> None:
+    """First turns have nothing to restore: their ratios (0.9x and 1.1x here) say how far
+    the arms differ without recovery; a later turn twice as slow is not one of them."""
+    from mlx_recovery_plugin.bench.server.repeats import RepeatPair, repeat_lines, repeats_summary
+
+    on = [10.0, 5.0, 5.0]
+    pairs = [RepeatPair(11, "sparse_on", _arm("sparse_on", on, None), _arm("sparse_recovery", [9.0, 10.0, 5.0], None)),
+             RepeatPair(12, "sparse_on", _arm("sparse_on", on, None), _arm("sparse_recovery", [11.0, 5.0, 5.0], None))]
+    first = repeats_summary(pairs)["first_turns_vs_on"]
+    assert first == {"median": pytest.approx(1.0), "min": pytest.approx(0.9), "max": pytest.approx(1.1), "n": 2}
+    assert any("first turns" in line and "[0.90, 1.10] over 2" in line for line in repeat_lines(pairs))
+
+
 def test_with_sparse_ons_arrivals_sparse_on_goes_first_and_the_recovery_arm_waits_for_its_own_pairs_sends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

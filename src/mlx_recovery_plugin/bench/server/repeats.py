@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .turn_ratios import later_turn_ratios, same_queue_ratios
+from .turn_ratios import first_turn_ratios, later_turn_ratios, same_queue_ratios
 
 if TYPE_CHECKING:
     from .report import ArmRun
@@ -121,10 +121,12 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
     alike = [r for p in pairs if p.sparse_recovery.arrivals_from == "sparse_on"
              for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alike_only=True)]
     queued = [q for p in pairs for q in same_queue_ratios(p.sparse_on.steps, p.sparse_recovery.steps)]
+    first = [r for p in pairs for r in first_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps)]
     return {
         "pairs": [p.summary() for p in pairs],
         "ratio": spread([p.ratio() for p in pairs]),
         "host_sparse_ratio": spread(host),
+        "first_turns_vs_on": spread(first),
         "later_turns_s": {"sparse_on": later_turns([p.sparse_on for p in pairs]),
                           "sparse_recovery": later_turns([p.sparse_recovery for p in pairs])},
         "worst_later_turn_median_vs_on": _round(worst_turn_median(pairs)),
@@ -158,6 +160,11 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
         on, rec = turns["sparse_on"], turns["sparse_recovery"]
         lines.append(f"later turns over all repeats, s: sparse on median {on['median']:.2f} (max {on['max']:.2f}), "
                      f"on + recovery median {rec['median']:.2f} (max {rec['max']:.2f})")
+    first = summary["first_turns_vs_on"]
+    if first is not None:
+        lines.append(f"first turns (nothing of theirs to restore yet), recovery / sparse on: median "
+                     f"{first['median']:.2f}x [{first['min']:.2f}, {first['max']:.2f}] over {first['n']}: how far the "
+                     "arms differ without a restored turn, the floor the later turns below are read against")
     worst = summary["worst_later_turn_median_vs_on"]
     if worst is not None:
         lines.append(f"worst later turn against sparse on, each turn's median over the pairs: {worst:.2f}x")

@@ -83,6 +83,14 @@ def later_turn_ratios(on: Sequence[Turn], rec: Sequence[Turn], alone_only: bool 
     return [c.ttft_s / max(b.ttft_s, 1e-9) for b, c, k in zip(on, rec, keep) if k and (c.turn > 1 or c.label)]
 
 
+def first_turn_ratios(on: Sequence[Turn], rec: Sequence[Turn]) -> list[float]:
+    """Each conversation's first turn with recovery over its time with sparse on. Nothing
+    of the conversation could be restored yet (other conversations' slices may have run
+    before it), so these ratios spread by what the two arms differ in besides recovery:
+    the machine's drift, which arm ran first. A later turn's ratio is read against them."""
+    return [c.ttft_s / max(b.ttft_s, 1e-9) for b, c in zip(on, rec) if c.turn == 1 and not c.label]
+
+
 def queues(steps: Sequence[Turn]) -> list[frozenset[int]]:
     """The steps (by index) that queued together, one set per queue, each step in one
     (a step of a session whose requests were not timed on one clock is a queue alone)."""
