@@ -15,6 +15,7 @@ from mlx_recovery_plugin.bench.server import run as run_mod
 from mlx_recovery_plugin.bench.server import sessions
 from mlx_recovery_plugin.bench.server.hosts import OMLX, RAPID, sparse_seconds
 from mlx_recovery_plugin.bench.server.models import ModelPair
+from mlx_recovery_plugin.bench.server.repeats import repeats_summary
 from mlx_recovery_plugin.bench.server.report import ArmRun, BenchReport, SessionResult, StepRecord, format_session
 
 OMLX_LINES = """\
@@ -169,3 +170,46 @@ def test_with_sparse_ons_arrivals_sparse_on_goes_first_and_the_recovery_arm_wait
     assert _config(parse(["bench", "server", "--arrivals", "sparse-on"]), tmp_path).arrivals == "sparse-on"
     with pytest.raises(SystemExit):
         parse(["bench", "server", "--arrivals", "recovery"])
+
+
+def test_one_schedule_serves_every_concurrent_pair_the_same_turns_and_reports_each_turns_median(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --one-schedule each later turn has one ratio per pair: a turn slow in one pair
+    only (2x in pair 2) is read at its median; one slow in every pair (1.3x) decides. The
+    arms list concurrent turns in the order they were sent, which differs between runs."""
+    served: list[list[tuple[str, int, float, float]]] = []
+    runs = iter(range(100))
+
+    def fake_run_arm(config, pair, session, arm, root, progress, not_before=None):
+        served.append([(s.conversation, s.turn, s.start_s, s.think_s) for s in session.steps])
+        k = next(runs)
+        run = ArmRun(arm)
+        if arm == "sparse_recovery":
+            slow_b = 2.0 if k == 4 else 1.0  # B's turn 2 slow in the second pair only
+            turns = [("A", 1, 10.0), ("B", 1, 10.0), ("B", 2, 5.0 * slow_b), ("A", 2, 6.5)]  # A's turn 2: 1.3x
+        else:
+            turns = [("A", 1, 10.0), ("B", 1, 10.0), ("A", 2, 5.0), ("B", 2, 5.0)]
+        for i, (conv, turn, t) in enumerate(turns):
+            run.steps.append(StepRecord(i + 1, conv, turn, "", 9000 + i, 0, t, t, 0.0))
+        return run
+
+    monkeypatch.setattr(run_mod, "run_arm", fake_run_arm)
+    from mlx_recovery_plugin.bench.server.cli import _config
+    from mlx_recovery_plugin.cli import build_parser
+
+    args = ["bench", "server", "--repeats", "3", "--one-schedule", "--arrivals", "sparse-on"]
+    config = _config(build_parser().parse_args(args), tmp_path)
+    config.shape = sessions.Shape(context_chars=400, turns=2)
+    session = sessions.build("concurrent", config.shape, 30.0, 3)
+    result = SessionResult("concurrent", session.description, concurrent=True)
+    run_mod._serve_arms(config, ModelPair(tmp_path, "t", "d"), "concurrent", session, result, lambda line: None)
+
+    assert all(s == served[0] for s in served)  # sparse off and every pair on the first schedule
+    assert [p.seed for p in result.repeats] == [11, 11, 11]
+    summary = repeats_summary(result.repeats)
+    assert summary["worst_later_turn_median_vs_on"] == pytest.approx(1.3)
+    assert summary["later_turn_medians"] == 2 and summary["later_turn_medians_above_1_1"] == 1
+    assert "2 later turns, 1 with a median above 1.1x" in "\n".join(format_session(result))
+    with pytest.raises(ValueError, match="--repeats 2"):
+        _config(build_parser().parse_args(["bench", "server", "--one-schedule"]), tmp_path)

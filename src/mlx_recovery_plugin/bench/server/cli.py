@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="serve sparse on and sparse on + recovery this many times per session, alternating which "
                    "goes first, each concurrent repeat on another schedule; the ratios' median and range are "
                    "reported (sparse off runs once; default 1)")
+    p.add_argument("--one-schedule", action="store_true",
+                   help="with --repeats: every concurrent repeat on the first schedule, so that each later turn's "
+                   "median ratio over the pairs is reported (default: each repeat on another schedule)")
     p.add_argument("--arrivals", choices=("own", "sparse-on"), default="own",
                    help="concurrent session: own (every arm sends each next turn the think time after its own "
                    "answer; default) or sparse-on (the recovery arm also waits until sparse on sent that turn, "
@@ -130,6 +133,9 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         if args.repeats < 1:
             raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
         config.repeats = args.repeats
+    config.one_schedule = bool(getattr(args, "one_schedule", False))
+    if config.one_schedule and config.repeats < 2:
+        raise ValueError("--one-schedule needs --repeats 2 or more")
     if getattr(args, "max_tokens", None) is not None:
         config.max_tokens = args.max_tokens
     return config

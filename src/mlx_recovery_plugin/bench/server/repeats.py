@@ -6,10 +6,12 @@ second slower can let the next conversation's turn in ahead of its own first tok
 double both. ``--repeats K`` serves the pair K times, alternating which arm goes first
 (sparse on always first with ``--arrivals sparse-on``, as the recovery arm waits for its
 send times), each concurrent repeat on another seeded schedule (the same schedule for both arms of a
-pair), and reports each pair's ratio of summed time to first token with their median and
+pair; ``--one-schedule``: every pair on the first), and reports each pair's ratio of summed time to first token with their median and
 range. Beside it, the seconds the host itself spent in its sparse route (its log: the
 draft's scoring and the sparse prefill) tell the host's own work from waiting: a ratio of
 host seconds near 1 with a ratio of TTFT far from it is queueing, not slower prefill.
+Where every pair served the same turns (the sequential sessions, or concurrent ones on
+one schedule) each later turn's median ratio over the pairs is reported too.
 
 Sparse off runs once per session (the first schedule): it is the baseline of the oracle
 and the best reachable, not part of the pair's comparison.
@@ -92,23 +94,33 @@ def later_turns(runs: Sequence[ArmRun]) -> dict[str, float] | None:
     return spread([s.ttft_s for run in runs for s in run.steps if s.turn > 1 or s.label])
 
 
-def worst_turn_median(pairs: Sequence[RepeatPair]) -> float | None:
-    """Turns one after another (every pair served the same steps): each later turn's
-    ratio of recovery to sparse on, its median over the pairs, and the largest of these.
-    A turn that one pair served slowly by the machine's drift does not decide it; one that
-    recovery makes slower in every pair does. None where the pairs' steps differ (a
-    concurrent session's schedules) or there is no later turn."""
+def turn_medians(pairs: Sequence[RepeatPair]) -> list[float] | None:
+    """Each later turn's ratio of recovery to sparse on, its median over the pairs, the
+    turns matched by conversation and turn (a concurrent session's arms may list them in
+    another order). A turn that one pair served slowly by the machine's drift does not
+    decide it; one that recovery makes slower in every pair does. None where the pairs
+    served different turns (concurrent repeats each on their own schedule, unless
+    ``--one-schedule``) or there is no later turn."""
     if len(pairs) < 2:
         return None
-    keys = [[(s.conversation, s.turn, s.label) for s in p.sparse_on.steps] for p in pairs]
-    keys += [[(s.conversation, s.turn, s.label) for s in p.sparse_recovery.steps] for p in pairs]
-    if any(k != keys[0] for k in keys):
+    tables = []
+    for p in pairs:
+        for run in (p.sparse_on, p.sparse_recovery):
+            table = {(s.conversation, s.turn, s.label): s for s in run.steps}
+            if len(table) != len(run.steps):
+                return None
+            tables.append(table)
+    if any(t.keys() != tables[0].keys() for t in tables):
         return None
-    medians = []
-    for i, (_conversation, turn, label) in enumerate(keys[0]):
-        if turn > 1 or label:
-            medians.append(statistics.median(
-                p.sparse_recovery.steps[i].ttft_s / max(p.sparse_on.steps[i].ttft_s, 1e-9) for p in pairs))
+    medians = [statistics.median(rec[key].ttft_s / max(on[key].ttft_s, 1e-9)
+                                 for on, rec in zip(tables[0::2], tables[1::2]))
+               for key in tables[0] if key[1] > 1 or key[2]]
+    return medians or None
+
+
+def worst_turn_median(pairs: Sequence[RepeatPair]) -> float | None:
+    """The largest of :func:`turn_medians` (None where there are none)."""
+    medians = turn_medians(pairs)
     return max(medians) if medians else None
 
 
@@ -122,6 +134,7 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
              for r in later_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps, alike_only=True)]
     queued = [q for p in pairs for q in same_queue_ratios(p.sparse_on.steps, p.sparse_recovery.steps)]
     first = [r for p in pairs for r in first_turn_ratios(p.sparse_on.steps, p.sparse_recovery.steps)]
+    medians = turn_medians(pairs)
     return {
         "pairs": [p.summary() for p in pairs],
         "ratio": spread([p.ratio() for p in pairs]),
@@ -129,7 +142,9 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "first_turns_vs_on": spread(first),
         "later_turns_s": {"sparse_on": later_turns([p.sparse_on for p in pairs]),
                           "sparse_recovery": later_turns([p.sparse_recovery for p in pairs])},
-        "worst_later_turn_median_vs_on": _round(worst_turn_median(pairs)),
+        "worst_later_turn_median_vs_on": _round(max(medians)) if medians else None,
+        "later_turn_medians": len(medians or ()),
+        "later_turn_medians_above_1_1": sum(m > 1.1 for m in medians or ()),
         "worst_alone_later_turn_vs_on": _round(max(alone)) if alone else None,
         "alone_later_turns": len(alone),
         "worst_alike_later_turn_vs_on": _round(max(alike)) if alike else None,
@@ -167,7 +182,9 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
                      "arms differ without a restored turn, the floor the later turns below are read against")
     worst = summary["worst_later_turn_median_vs_on"]
     if worst is not None:
-        lines.append(f"worst later turn against sparse on, each turn's median over the pairs: {worst:.2f}x")
+        lines.append(f"worst later turn against sparse on, each turn's median over the pairs: {worst:.2f}x "
+                     f"({summary['later_turn_medians']} later turns, {summary['later_turn_medians_above_1_1']} "
+                     "with a median above 1.1x)")
     if summary["worst_alone_later_turn_vs_on"] is not None:
         lines.append(f"worst later turn against sparse on of those no other request touched in either arm: "
                      f"{summary['worst_alone_later_turn_vs_on']:.2f}x ({summary['alone_later_turns']} such turns "

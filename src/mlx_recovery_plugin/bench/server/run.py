@@ -75,6 +75,9 @@ class BenchConfig:
     balance_repeats: int = 3
     # Pairs of sparse on / sparse on + recovery per session (sparse off once): --repeats.
     repeats: int = 1
+    # Every concurrent repeat on the first schedule (each later turn's median over the
+    # pairs can then be read): --one-schedule.
+    one_schedule: bool = False
     start_timeout_s: float = 180.0
     host: ServerHost = OMLX  # which server serves (an oMLX-family member, or rapid-mlx)
     # A competing CPU load from each arm's first turn until its second is sent (sequential
@@ -365,13 +368,13 @@ def _serve_arms(
 ) -> None:
     """Sparse off once, then ``config.repeats`` pairs of sparse on and sparse on +
     recovery, alternating which goes first (sparse on always first where the recovery arm
-    takes its arrivals), each concurrent repeat on the next schedule seed
-    (:mod:`.repeats`). The first pair is the session's arms."""
+    takes its arrivals), each concurrent repeat on the next schedule seed unless
+    ``config.one_schedule`` (:mod:`.repeats`). The first pair is the session's arms."""
     root = config.workdir / "runs"
     result.arms["sparse_off"] = run_arm(config, pair, session, "sparse_off", root / f"{name}-sparse_off", progress)
     for r in range(config.repeats):
-        seed = sessions_mod.DEFAULT_SEED + r
-        served = session if r == 0 else sessions_mod.build(name, config.shape, config.think_s,
+        seed = sessions_mod.DEFAULT_SEED + (0 if config.one_schedule else r)
+        served = session if r == 0 or config.one_schedule else sessions_mod.build(name, config.shape, config.think_s,
                                                            config.conversations, seed)
         replay = session.concurrent and config.arrivals == "sparse-on"
         order = ("sparse_on", "sparse_recovery") if r % 2 == 0 or replay else ("sparse_recovery", "sparse_on")
