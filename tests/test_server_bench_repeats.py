@@ -213,3 +213,21 @@ def test_one_schedule_serves_every_concurrent_pair_the_same_turns_and_reports_ea
     assert "2 later turns, 1 with a median above 1.1x" in "\n".join(format_session(result))
     with pytest.raises(ValueError, match="--repeats 2"):
         _config(build_parser().parse_args(["bench", "server", "--one-schedule"]), tmp_path)
+
+
+def test_the_pairs_committed_shares_are_reported_at_the_end_and_after_settling() -> None:
+    from mlx_recovery_plugin.bench.server.repeats import RepeatPair, repeat_lines, repeats_summary
+
+    pairs = []
+    for end, settled in (((1000, 4000), (3500, 4000)), ((2000, 4000), (3000, 4200))):
+        rec = _arm("sparse_recovery", [9.0, 5.0], None)
+        rec.final_status = {"tokens_recovered": end[0], "tokens_run": end[1], "tokens_held": end[1] - end[0]}
+        rec.settled_status = {"tokens_recovered": settled[0], "tokens_run": settled[1], "tokens_held": 0}
+        rec.settle_s = 40.0
+        pairs.append(RepeatPair(11, "sparse_on", _arm("sparse_on", [10.0, 5.0], None), rec))
+    summary = repeats_summary(pairs)
+    assert summary["committed_share"]["min"] == pytest.approx(0.25)
+    assert summary["committed_share"]["max"] == pytest.approx(0.5)
+    assert summary["settled_committed_share"]["min"] == pytest.approx(3000 / 4200, abs=1e-4)
+    assert summary["pairs"][0]["settled_committed_share"] == pytest.approx(0.875)
+    assert "committed / run over the pairs: at the end 0.25-0.50, 40 s after the last answer 0.71-0.88" in repeat_lines(pairs)

@@ -230,3 +230,43 @@ def test_work_held_back_at_the_end_is_reported_apart_from_what_was_committed() -
     assert "committed / run 0.25" in text and "held at the end / run 0.50" in text
     result.arms["sparse_recovery"].steps[-1].status = {"tokens_recovered": 1024, "tokens_run": 4096}
     assert result.held_share() is None  # an older plugin did not say
+
+
+def test_settling_reads_the_status_again_after_the_idle_time_and_reports_what_was_committed_by_then() -> None:
+    """``--settle``: work held at the session's end that the next think time commits is
+    told apart from work still held then; the end's figures stay as they were."""
+    from mlx_recovery_plugin.bench.server.run import settle
+
+    result = _result(on_sparse=True)
+    rec = result.arms["sparse_recovery"]
+    rec.steps[-1].status = {"tokens_recovered": 1024, "tokens_run": 4096, "tokens_held": 3072}
+    statuses = [{"process": {"tokens_recovered": 3840, "tokens_run": 4352, "tokens_held": 0}}]
+    slept: list[float] = []
+    settle(rec, statuses.pop, 40.0, slept.append, lambda line: None, "t")
+
+    assert slept == [40.0] and not statuses  # waited once, then read once
+    assert result.committed_share() == pytest.approx(0.25)  # the end, as before
+    assert result.committed_share(settled=True) == pytest.approx(3840 / 4352)
+    assert result.held_share(settled=True) == 0.0
+    text = "\n".join(format_session(result))
+    assert "committed / run 0.25" in text and "40 s after the last answer: committed / run 0.88, held / run 0.00" in text
+    summary = BenchReport("t", "d", "omlx", "openblas", 50.0, 30.0, 1.0, 2, "auto", [result]).to_json()["summary"]
+    assert summary["agent"]["settled_committed_share"] == pytest.approx(3840 / 4352)
+    assert summary["agent"]["settle_s"] == 40.0
+
+
+def test_without_settling_there_is_no_second_reading() -> None:
+    result = _result(on_sparse=True)
+    result.arms["sparse_recovery"].steps[-1].status = {"tokens_recovered": 1024, "tokens_run": 4096,
+                                                        "tokens_held": 3072}
+    assert result.committed_share(settled=True) is None
+    assert "after the last answer" not in "\n".join(format_session(result))
+
+
+def test_the_command_line_settles_only_when_asked_and_refuses_a_negative_time(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert _config(parser.parse_args(["server", "--settle", "40"]), tmp_path).settle_s == 40.0
+    assert _config(parser.parse_args(["server"]), tmp_path).settle_s == 0.0
+    with pytest.raises(ValueError, match="--settle"):
+        _config(parser.parse_args(["server", "--settle", "-1"]), tmp_path)

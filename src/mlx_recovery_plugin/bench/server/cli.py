@@ -73,6 +73,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a competing CPU load (a busy loop per core) from each arm's first turn until its second is "
                    "sent, every arm waiting that first think time out: every arm's first turn and gap run on a loaded "
                    "machine, the later turns on a quiet one (agent, interleaved, fork, gaps and curve sessions)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="the recovery arm stays idle S seconds after its last answer and the plugin's status is "
+                   "read again: committed / run once that time has passed, beside the figure at the session's "
+                   "end (default 0: not read again)")
     p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
     p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
@@ -136,6 +140,10 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
     config.one_schedule = bool(getattr(args, "one_schedule", False))
     if config.one_schedule and config.repeats < 2:
         raise ValueError("--one-schedule needs --repeats 2 or more")
+    settle_s = float(getattr(args, "settle", 0.0) or 0.0)
+    if settle_s < 0:
+        raise ValueError(f"--settle must be 0 or more seconds; got {settle_s:g}")
+    config.settle_s = settle_s
     if getattr(args, "max_tokens", None) is not None:
         config.max_tokens = args.max_tokens
     return config

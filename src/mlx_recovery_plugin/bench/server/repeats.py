@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .turn_ratios import first_turn_ratios, later_turn_ratios, same_queue_ratios
+from .work_shares import committed_share
 
 if TYPE_CHECKING:
     from .report import ArmRun
@@ -72,6 +73,8 @@ class RepeatPair:
             "tokens_recovered": self.recovered_tokens(),
             "worst_later_turn_vs_on": _round(self.worst_later_turn()),
             "worst_alone_later_turn_vs_on": _round(self.worst_later_turn(alone_only=True)),
+            "committed_share": _round(committed_share(self.sparse_recovery.end_status)),
+            "settled_committed_share": _round(committed_share(self.sparse_recovery.settled_status)),
         }
 
 
@@ -153,6 +156,9 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "worst_same_queue_vs_on": _round(max(r for _, r in queued)) if queued else None,
         "same_queues": len(queued),
         "same_queues_above_1_1": sum(r > 1.1 for _, r in queued),
+        "committed_share": spread([c for p in pairs if (c := committed_share(p.sparse_recovery.end_status)) is not None]),
+        "settled_committed_share": spread([c for p in pairs
+                                           if (c := committed_share(p.sparse_recovery.settled_status)) is not None]),
     }
 
 
@@ -197,6 +203,11 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
         lines.append(f"worst queue against sparse on, summed, of those the same turns formed in both arms: "
                      f"{summary['worst_same_queue_vs_on']:.2f}x ({summary['same_queues']} such queues over the "
                      f"pairs, {summary['same_queues_above_1_1']} above 1.1x)")
+    kept, settled = summary["committed_share"], summary["settled_committed_share"]
+    if kept is not None:
+        lines.append(f"committed / run over the pairs: at the end {kept['min']:.2f}-{kept['max']:.2f}"
+                     + ("" if settled is None else f", {pairs[0].sparse_recovery.settle_s:g} s after the last answer "
+                        f"{settled['min']:.2f}-{settled['max']:.2f}"))
     for p in pairs:
         h = p.host_sparse_ratio()
         lines.append(

@@ -34,6 +34,7 @@ from typing import Any
 from ...demo.report import ARM_TITLES, ARMS
 from .repeats import RepeatPair, repeat_lines, repeats_summary
 from .turn_ratios import count_later_turns, later_turn_ratios, same_queue_ratios
+from .work_shares import committed_share, held_share
 
 ORACLE = "oracle"
 BEST = "best_reachable"
@@ -75,6 +76,8 @@ class ArmRun:
     sparse_requests: int | None = None  # concurrent: requests the sparse route served (log lines)
     host_sparse_s: float | None = None  # seconds the host's log says its sparse route took (None: cannot tell)
     arrivals_from: str | None = None  # concurrent: no turn was sent before this arm sent it (--arrivals)
+    settled_status: dict[str, Any] | None = None  # recovery arm: the status settle_s after the last answer
+    settle_s: float = 0.0  # how long the recovery arm stayed idle after its last answer (--settle)
 
     @property
     def end_status(self) -> dict[str, Any] | None:
@@ -274,22 +277,21 @@ class SessionResult:
         """Whether the recovery arm took sparse on's arrivals (``--arrivals sparse-on``)."""
         return self.arms["sparse_recovery"].arrivals_from == "sparse_on"
 
-    def committed_share(self) -> float | None:
-        """Tokens recovery committed over the tokens its slices ran, at the end."""
-        last = self.arms["sparse_recovery"].end_status
-        if not last or not last.get("tokens_run"):
-            return None
-        return float(last["tokens_recovered"]) / float(last["tokens_run"])
+    def committed_share(self, settled: bool = False) -> float | None:
+        """Tokens recovery committed over the tokens its slices ran, at the end
+        (``settled``: after the recovery arm's idle time past its last answer, --settle)."""
+        return committed_share(self._last_status(settled))
 
-    def held_share(self) -> float | None:
+    def held_share(self, settled: bool = False) -> float | None:
         """Tokens finished but still held back when the session ended (for a conversation
         that may come back; not thrown away) over the tokens the slices ran: with
         :meth:`committed_share`, what of the work was neither committed nor is still kept.
         None where the plugin did not say."""
-        last = self.arms["sparse_recovery"].end_status
-        if not last or not last.get("tokens_run") or last.get("tokens_held") is None:
-            return None
-        return float(last["tokens_held"]) / float(last["tokens_run"])
+        return held_share(self._last_status(settled))
+
+    def _last_status(self, settled: bool) -> dict[str, Any] | None:
+        rec = self.arms["sparse_recovery"]
+        return rec.settled_status if settled else rec.end_status
 
 
 @dataclass(slots=True)
@@ -343,7 +345,10 @@ class BenchReport:
                                                                    if s.arrivals_replayed() else None),
                                   "worst_same_queue_vs_on": s.worst_same_queue(),
                                   "committed_share": s.committed_share(),
-                                  "held_share": s.held_share()}
+                                  "held_share": s.held_share(),
+                                  "settle_s": s.arms["sparse_recovery"].settle_s,
+                                  "settled_committed_share": s.committed_share(settled=True),
+                                  "settled_held_share": s.held_share(settled=True)}
             | _route_summary(s) | {"host_sparse_s": {arm: s.arms[arm].host_sparse_s for arm in ARMS},
                                    "repeats": repeats_summary(s.repeats)}
             for s in self.sessions
@@ -448,6 +453,10 @@ def format_session(result: SessionResult) -> list[str]:
         held = result.held_share()
         if held:
             parts.append(f"held at the end / run {held:.2f}")
+        settled = result.committed_share(settled=True)
+        if settled is not None:
+            parts.append(f"{rec.settle_s:g} s after the last answer: committed / run {settled:.2f}, "
+                         f"held / run {result.held_share(settled=True) or 0.0:.2f}")
         lines.append("; ".join(parts))
         slow = [c.step for b, c in zip(on.steps, rec.steps) if c.ttft_s > 1.1 * b.ttft_s]
         if slow:

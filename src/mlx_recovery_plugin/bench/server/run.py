@@ -88,6 +88,10 @@ class BenchConfig:
     # answer) or "sparse-on" (the recovery arm also waits until sparse on sent the turn,
     # sparse on served first in every pair): --arrivals.
     arrivals: str = "own"
+    # After its last answer the recovery arm stays idle this long and the plugin's status
+    # is read again (0: not at all): work still held at the session's end is told apart
+    # from work that the next think time would have committed: --settle.
+    settle_s: float = 0.0
 
 
 def _private_dir(path: Path) -> Path:
@@ -181,12 +185,29 @@ def run_arm(
             run.sparse_requests = None if before is None or after is None else after - before
         else:
             _serve_in_order(config, pair, session, arm, server, client, progress, tag, run)
+        if arm == "sparse_recovery" and config.settle_s > 0:
+            settle(run, lambda: _read_status(server), config.settle_s, time.sleep, progress, tag)
         log = server.log_text()
         host_after = sparse_seconds(config.host, log)
         if host_before is not None and host_after is not None:
             run.host_sparse_s = round(host_after - host_before, 3)
         run.traceback_in_log = "Traceback (most recent call last)" in log
     return run
+
+
+def settle(
+    run: ArmRun, read_status: Callable[[], dict[str, Any]], settle_s: float, sleep: Callable[[float], None],
+    progress: Progress, tag: str,
+) -> None:
+    """The recovery arm idle ``settle_s`` more seconds after its last answer, then its
+    status again (``run.settled_status``): what it committed of the work it still held
+    when the session ended, as a conversation coming back that much later would find it."""
+    progress(f"{tag}: idle {settle_s:g} s after the last answer, then the plugin's status again (--settle)")
+    sleep(settle_s)
+    run.settled_status = status_figures(read_status())
+    run.settle_s = settle_s
+    progress(f"{tag}   plugin status {settle_s:g} s after the last answer: "
+             + ", ".join(f"{k} {v}" for k, v in run.settled_status.items()))
 
 
 def _serve_in_order(
