@@ -122,6 +122,11 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def describe_figures(figures: dict[str, Any]) -> str:
+    """:func:`status_figures` as one line of ``key value`` pairs."""
+    return ", ".join(f"{k} {v}" for k, v in figures.items())
+
+
 def oracle_steps(off: ArmRun, on: ArmRun) -> list[float]:
     """Per step: sparse on's time for a conversation's first turn, sparse off's after."""
     if len(off.steps) != len(on.steps):
@@ -463,7 +468,7 @@ def format_session(result: SessionResult) -> list[str]:
             lines.append(f"steps where recovery took over 1.1x sparse on: {', '.join(map(str, slow))}")
     lines.extend(repeat_lines(result.repeats))
     if rec.end_status:
-        lines.append("plugin status at the end: " + ", ".join(f"{k} {v}" for k, v in rec.end_status.items()))
+        lines.append("plugin status at the end: " + describe_figures(rec.end_status))
     return lines
 
 

@@ -49,7 +49,7 @@ from .models import (
 )
 from .process import PluginNotAttachedError, ServerProcess, ServerSpec
 from .repeats import RepeatPair
-from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, status_figures
+from .report import ArmRun, BenchReport, CurvePoint, SessionResult, StepRecord, describe_figures, status_figures
 
 Progress = Callable[[str], None]
 
@@ -207,7 +207,7 @@ def settle(
     run.settled_status = status_figures(read_status())
     run.settle_s = settle_s
     progress(f"{tag}   plugin status {settle_s:g} s after the last answer: "
-             + ", ".join(f"{k} {v}" for k, v in run.settled_status.items()))
+             + describe_figures(run.settled_status))
 
 
 def _serve_in_order(
@@ -256,7 +256,7 @@ def _serve_steps(
         if arm == "sparse_recovery":
             figures = status_figures(_read_status(server))
             progress(f"{tag}   plugin status{' before the next turn' if not last else ''}: "
-                     + ", ".join(f"{k} {v}" for k, v in figures.items()))
+                     + describe_figures(figures))
         run.steps.append(StepRecord(
             step=index + 1, conversation=step.conversation, turn=step.turn, label=step.label,
             prompt_tokens=measure.prompt_tokens, cached_tokens=measure.cached_tokens,
