@@ -426,3 +426,29 @@ def test_a_host_dense_turn_is_counted_once_in_what_the_next_such_turn_is_expecte
     assert judge.status()["host_append_factor"] == pytest.approx(1.3, rel=0.01)
     expected = judge.costs.seconds(552, 960) * judge.status()["host_append_factor"]
     assert expected == pytest.approx(host_s, rel=0.05)
+
+
+def test_a_probe_is_taken_only_where_the_prior_alone_holds_a_whole_prefix_back() -> None:
+    """The slices say the dense append costs 0.75 of the sparse rerun; at the prior (1.3x)
+    that is 0.98: held as a close call, or published to measure the host where the judge
+    allows a probe. Not where at the prior it is slower than the rerun, nor for a partial
+    prefix, nor where the slices themselves do not pay by the margin."""
+    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
+    dense = model.seconds(600, 9216)
+    assert dense is not None
+    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
+                              host_factor=1.3)
+    close = SparseSample(9816, dense / 0.75)
+    assert decide(model, **kw, measured=close).verdict is Verdict.HOLD
+    probe = decide(model, **kw, measured=close, may_probe=True)
+    assert probe.verdict is Verdict.PUBLISH and probe.probes, probe.reason
+    assert "to measure the host" in probe.reason and probe.dense_s == pytest.approx(1.3 * dense, rel=0.05)
+    dearer = decide(model, **kw, measured=SparseSample(9816, dense / 0.8), may_probe=True)  # 1.04 at the prior
+    assert dearer.verdict is Verdict.HOLD and not dearer.probes
+    partial = decide(model, **(kw | {"boundary": 8960}), measured=close, may_probe=True)
+    assert partial.verdict is Verdict.HOLD and not partial.probes
+    noisy = DenseCostModel()
+    for c, scale in ((0, 0.8), (3072, 1.2), (6144, 0.8), (9216, 1.2)):
+        noisy.observe(c, 512, scale * 2e-3 * 512)
+    unsure = decide(noisy, **kw, measured=SparseSample(9816, noisy.seconds(600, 9216) / 0.75), may_probe=True)
+    assert unsure.verdict is Verdict.HOLD and not unsure.probes, unsure.reason

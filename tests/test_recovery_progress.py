@@ -527,3 +527,86 @@ def test_a_request_keyed_by_more_than_its_tokens_gets_no_job_and_is_counted(rigs
     assert status["jobs"] == []
     assert status["counters"]["refusals"] == {"keyed_beyond_tokens": 1}
     assert rig.restorable(prompt) == 0
+
+
+# -- the host's cost measured by one publication -------------------------------------
+
+# A conversation that grows by 128 tokens a turn; its sparse route takes 2.04 ms a token.
+# Its next turn's dense append over the whole 960-token prefix costs 1.68 s at the
+# slices' rate and 2.18 s at the host's prior (1.3x), against a sparse rerun of 2.3 s:
+# it pays by the slices, and only the prior holds it back.
+GROWTH = 128
+PROBE_SPARSE_S_PER_TOKEN = 2.04e-3
+
+
+def _whole_then_next(rig: Rig, seed: int) -> tuple[list[int], list[int]]:
+    """Serve a conversation's two sparse turns (the second of ``PROMPT`` tokens); return
+    that turn's prompt and the next one's."""
+    prompt = random_tokens(seed, PROMPT)
+    for turn in (prompt[:-GROWTH], prompt):
+        rig.served(turn, threshold=5000, prefill_s=PROBE_SPARSE_S_PER_TOKEN * len(turn))
+    return prompt, prompt + random_tokens(seed + 1, GROWTH)
+
+
+def test_a_whole_prefix_only_the_prior_holds_back_is_published_once_to_measure_the_host(rigs) -> None:
+    """The deadlock seen on the real server: three conversations, each whole prefix held
+    back only by the host factor's prior, all paused; no publication, so the host never
+    ran a dense turn and the prior was never corrected. Now X is published to measure the
+    host; Y, alike, waits (one probe at a time). X's next turn comes back dense over the
+    recovered prefix at the slices' own cost: the factor is measured (1.0), and Y, which
+    now pays, is published before its conversation returns."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    x, x_next = _whole_then_next(rig, 50)
+    rig.idle(until=rig.clock() + 100.0)
+    policy = rig.status()["policy"]
+    assert rig.restorable(x) == 960, (policy["reason"], policy["host_probe"], rig.status()["jobs"])
+    assert "to measure the host" in policy["reason"] and policy["host_append_measured"] == 0
+    y, _ = _whole_then_next(rig, 52)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(y) == 0, "one probe at a time"
+    assert "not yet clear" in rig.status()["policy"]["reason"]
+    rig.prefilled(x_next, cached=960, route=Route.DENSE, seconds=(len(x_next) - 960) * A)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["policy"]["host_append_factor"] == pytest.approx(1.0, rel=0.05)
+    assert rig.restorable(y) == 960, status["policy"]
+    assert status["policy"]["host_probe"]["taken"] == 1
+
+
+def test_a_host_as_dear_as_the_prior_says_ends_the_probes_and_the_close_calls_stay_held(rigs) -> None:
+    """The probe's next turn costs what the prior said (1.3x the slices'): the factor is
+    measured, no other conversation is published on the prior's doubt, and Y stays held."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    x, x_next = _whole_then_next(rig, 54)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(x) == 960
+    rig.prefilled(x_next, cached=960, route=Route.DENSE, seconds=1.3 * (len(x_next) - 960) * A)
+    y, _ = _whole_then_next(rig, 56)
+    rig.clock.advance(10_000.0)  # however long after: a measured factor is not probed again
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["policy"]["host_append_measured"] == 1
+    assert rig.restorable(y) == 0 and status["policy"]["host_probe"]["taken"] == 1
+    assert "not yet clear" in status["policy"]["reason"]
+
+
+def test_a_probe_whose_conversation_never_returns_lets_another_be_tried_at_its_next_turn(rigs) -> None:
+    """X is published to measure the host and never comes back. Y, held meanwhile, is
+    tried as the probe at its own next turn once the probe's wait is over."""
+    from mlx_recovery_plugin.recovery.host_probe import PROBE_WAIT_S
+
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    x, _ = _whole_then_next(rig, 58)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(x) == 960
+    y, y_next = _whole_then_next(rig, 60)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(y) == 0
+    rig.clock.advance(PROBE_WAIT_S)
+    # A little cheaper a token this time: the turn is still a close call at the prior.
+    rig.served(y_next, threshold=5000, prefill_s=0.92 * PROBE_SPARSE_S_PER_TOKEN * len(y_next))
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert rig.restorable(y_next) == 1088, status["policy"]
+    assert "to measure the host" in status["policy"]["reason"]
+    assert status["policy"]["host_probe"]["taken"] == 2

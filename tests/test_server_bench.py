@@ -315,7 +315,10 @@ def test_one_session_on_the_real_server_restores_sparse_offs_cached_tokens(tmp_p
 
     pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
                         TinyModelSpec(arch="llama", num_layers=1, seed=7))
-    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always",
+    # The whole idle time (budget 100 %): at 50 % the 8 s gap re-read 8,192 of 8,704
+    # tokens on this project's machine some days, and what this test checks is that what
+    # was recovered is restored, not how fast.
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=100.0, publish_policy="always",
                          host=family_host(member))
     session = sessions.agent(sessions.Shape(turns=2), think_s=8.0)
     lines: list[str] = []

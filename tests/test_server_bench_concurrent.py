@@ -312,7 +312,10 @@ def test_two_conversations_at_once_on_the_real_server_are_both_recovered(tmp_pat
 
     pair = write_models(tmp_path / "models", TinyModelSpec(arch="llama", seed=0),
                         TinyModelSpec(arch="llama", num_layers=1, seed=7))
-    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=50.0, publish_policy="always", host=OMLX)
+    # The whole idle time (budget 100 %): at 50 % the gaps re-read 7,680 of B's 8,704
+    # tokens on this project's machine some days; what is checked is that what was
+    # recovered for each conversation is restored, not how fast.
+    config = BenchConfig(workdir=tmp_path, pair=pair, budget_pct=100.0, publish_policy="always", host=OMLX)
     session = sessions.concurrent(sessions.Shape(turns=2), think_s=12.0, conversations=2)
     off = run_arm(config, pair, session, "sparse_off", tmp_path / "off", lambda line: None)
     rec = run_arm(config, pair, session, "sparse_recovery", tmp_path / "rec", lambda line: None)

@@ -24,7 +24,9 @@ finished blocks back, or stand down:
 * :func:`decide` compares the next turn's dense append over the prefix that publication
   would leave, as the host would run it, with the sparse rerun: it publishes what surely
   pays, stands down only when even the full prefix is confidently slower, and otherwise
-  holds for more evidence.
+  holds for more evidence; while the host's factor is still the prior, a whole prefix
+  that only the prior holds back may be published once to measure it
+  (:mod:`.host_probe`).
 
 Threads: a :class:`DenseCostModel` belongs to one engine's recovery service and is used on
 its engine thread only (the status copies its coefficients under the service's lock).
@@ -81,6 +83,8 @@ class Decision:
     #: A hold of the whole prefix that more slices of the job would not change: the
     #: evidence already reaches the whole prefix, and what is unclear is the comparison.
     settled: bool = False
+    #: A publication taken to measure the host's dense append (:mod:`.host_probe`).
+    probes: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -339,6 +343,7 @@ def decide(
     measured_here: bool = True,
     cheapest: SparseSample | None = None,
     host_factor: float = 1.0,
+    may_probe: bool = False,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -352,7 +357,11 @@ def decide(
     stand-down weighs the latest (each errs on the side of leaving the host's route be).
     ``host_factor``: the host's dense append over the slices' estimate
     (:class:`HostAppendFactor`); a publication is judged at the host's cost, a stand-down
-    at the slices' (the cheaper reading: again the side of doing nothing drastic)."""
+    at the slices' (the cheaper reading: again the side of doing nothing drastic).
+    ``may_probe``: ``host_factor`` is a prior, not a measurement, and this job may be the
+    one published to measure it (:mod:`.host_probe`): a whole prefix that the prior alone
+    holds back (the slices' own estimate pays by the margin) and that at the prior's
+    expected cost is no slower than the sparse rerun is published."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -410,6 +419,14 @@ def decide(
             Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s{host and ' (' + host[2:] + ')'} "
             f"< sparse rerun {beat:.2f} s",
             dense.mid, beat,
+        )
+    if may_probe and dense.supported and dense.mid <= beat and slices is not None and slices.high <= margin * beat:
+        return Decision(
+            Verdict.PUBLISH,
+            f"full prefix, published to measure the host's dense append: {slices.mid:.2f} s at the slices' cost "
+            f"(at most {slices.high:.2f}), {dense.mid:.2f} s at the prior ({host_factor:.2f}x), against sparse "
+            f"{beat:.2f} s",
+            dense.mid, beat, probes=True,
         )
     return Decision(
         Verdict.HOLD,

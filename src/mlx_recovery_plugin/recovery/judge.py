@@ -13,7 +13,8 @@ change and replaces in one assignment, so a reader never iterates live state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +32,7 @@ from .costs import (
     decide,
     sparse_rerun_seconds,
 )
+from .host_probe import HostCostProbe
 from .jobs import RecoveryJob
 from .machine_load import MachineLoad, Regime
 
@@ -97,7 +99,10 @@ class RouteMemory:
 class PublishJudge:
     """Publish, hold or stand down, for one engine's jobs."""
 
-    def __init__(self, policy: PublishPolicy, block_size: int, load: MachineLoad | None = None) -> None:
+    def __init__(
+        self, policy: PublishPolicy, block_size: int, load: MachineLoad | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.policy = policy
         self.block_size = block_size
         # One cost model per load regime: a loaded sample never answers for a quiet
@@ -112,6 +117,7 @@ class PublishJudge:
         # What the host's own turns said of the predictions (engine thread).
         self._host_turns = 0
         self._host_append = HostAppendFactor()
+        self._probe = HostCostProbe(clock)
         self._sparse_updates = 0
         self._last_turn: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
@@ -226,7 +232,10 @@ class PublishJudge:
                 cheapest=route.cheapest(self.regime),
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
+                may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
             )
+            if decision.probes:
+                self._probe.begin(job.job_id)
         self.last = decision
         memory = self._routes.get(job.job_id)
         if memory is not None and decision.verdict is Verdict.PUBLISH:
@@ -292,6 +301,8 @@ class PublishJudge:
                 # host's own dense turns measured it (0: the prior).
                 "host_append_factor": round(self._host_append.value, 4),
                 "host_append_measured": self._host_append.measured,
+                # The job published (or being run to be) to measure the host's factor.
+                "host_probe": self._probe.status(),
                 "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,

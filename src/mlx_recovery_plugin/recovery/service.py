@@ -108,7 +108,7 @@ class EngineRecovery:
         self.host_refuses: str | None = None
 
         # Engine thread only (under _work); their status figures are replaced whole.
-        self.judge = PublishJudge(settings.publish_policy, self.block_size)
+        self.judge = PublishJudge(settings.publish_policy, self.block_size, clock=clock)
         self._sizer = SliceSizer(
             settings.slice_tokens_for(self.model_id, int(port.prefill_step)), self.block_size, budget.remaining_s,
             predict=lambda tokens, context: self.judge.costs.seconds(tokens, context),

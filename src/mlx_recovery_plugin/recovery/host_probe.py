@@ -1,0 +1,58 @@
+"""One publication at a time to measure what the host's dense append costs.
+
+Until the host has served a dense turn over a published prefix, the policy weighs a
+publication at :data:`~.costs.HOST_APPEND_PRIOR` times the slices' estimate. A prior is
+a guess from one machine: on oMLX it was 1.33x the slices' estimate on the machine it was
+measured on and 0.93-1.06x on two others. Where the prior alone holds a whole prefix
+back (the slices' own estimate pays by the margin), holding it forever means the host
+never serves a dense turn and the prior is never corrected: a wrong verdict no evidence
+can change (bench server, three conversations, a shape that pays 1.6-1.9x: six turns
+lost). So one such prefix is published to measure the host, the probe; while it is out,
+no other is. The probe is over when the host's factor is measured, or, if the
+conversation has not come back within :data:`PROBE_WAIT_S`, another may be tried.
+
+A probe is only taken where, at the prior's own expected cost, the dense turn is no
+slower than the sparse rerun (:func:`~.costs.decide`): if the prior is right, the probe
+costs nothing on average; if the host is cheaper, every later turn gains.
+
+Threads: owned by one engine's :class:`~.judge.PublishJudge`, on its engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# How long a probe waits for its conversation's next turn before another may be tried
+# (a production chat trace: p90 gap to the next turn 480 s).
+PROBE_WAIT_S = 600.0
+
+
+class HostCostProbe:
+    """Which job, if any, is the one published to measure the host's dense append."""
+
+    def __init__(self, clock: Callable[[], float], wait_s: float = PROBE_WAIT_S) -> None:
+        self._clock = clock
+        self._wait_s = wait_s
+        self.job_id: int | None = None
+        self._since: float | None = None
+        #: Probes begun (status).
+        self.taken = 0
+
+    def may_probe(self, job_id: int, measured: int) -> bool:
+        """``job_id`` may be published as the probe: the host's factor is not measured
+        (``measured`` dense turns seen), and no other probe is out, or the one out has
+        waited its time."""
+        if measured:
+            return False
+        if self.job_id is None or self.job_id == job_id or self._since is None:
+            return True
+        return self._clock() - self._since >= self._wait_s
+
+    def begin(self, job_id: int) -> None:
+        """``job_id`` is the probe from now (a verdict to publish it as one was given)."""
+        if self.job_id != job_id:
+            self.job_id, self._since = job_id, self._clock()
+            self.taken += 1
+
+    def status(self) -> dict[str, object]:
+        return {"job_id": self.job_id, "taken": self.taken}
