@@ -56,7 +56,8 @@ def _record() -> EngineRecord:
 def test_the_record_charges_requests_admitted_together_each_their_share() -> None:
     """Three requests admitted at one step's start, whose prefills oMLX ran one after the
     other inside that step (30 s), all made their first token at its end: each is timed
-    at 10 s, not 30, and the sparse one adds its own door."""
+    at 10 s, not 30, and the one the host spent 2 s on at its door (scoring a sparse
+    prompt, restoring a cached prefix) adds them."""
     record = _record()
     lives = {rid: LiveRequest(in_scheduler=True, arrived_at=0.0) for rid in "abc"}
     lives["c"].door_s = 2.0
@@ -66,8 +67,28 @@ def test_the_record_charges_requests_admitted_together_each_their_share() -> Non
             record.mark_admitted(live, 1.0)
         for live in lives.values():
             record.mark_first_token(live, 31.0)
-    assert [lives[r].prefill_seconds(sparse=False) for r in "ab"] == [pytest.approx(10.0)] * 2
-    assert lives["c"].prefill_seconds(sparse=True) == pytest.approx(12.0)
+    assert [lives[r].prefill_seconds() for r in "ab"] == [pytest.approx(10.0)] * 2
+    assert lives["c"].prefill_seconds() == pytest.approx(12.0)
+
+
+def test_a_dense_turn_over_a_restored_prefix_is_charged_the_restore_at_the_door() -> None:
+    """oMLX fetches and rebuilds a cached prefix inside ``add_request``, before the
+    request queues: a dense append over a published prefix costs the user that too, and
+    the policy's measure of the host's dense append (its factor over the slices) must
+    include it. Before, only a sparse prompt's door was counted, and the real server's
+    host factor read 0.93-1.06 where the turns' time to first token said about 1.2."""
+    now = [0.0]
+    book = EngineBook(SimpleNamespace(request_departed=lambda event: None), clock=lambda: now[0])
+    record = _record()
+    live = LiveRequest(in_scheduler=True, arrived_at=0.0)
+    with record.lock:
+        record.live["d"] = live
+    now[0] = 0.9
+    book.note_door(record, "d", 0.9)
+    with record.lock:
+        record.mark_admitted(live, 1.0)
+        record.mark_first_token(live, 5.0)
+    assert live.prefill_seconds() == pytest.approx(0.9 + 4.0)
 
 
 def test_a_request_gone_mid_prefill_stops_taking_a_share() -> None:
@@ -84,7 +105,7 @@ def test_a_request_gone_mid_prefill_stops_taking_a_share() -> None:
     book.depart(record, "b", DepartureReason.ABORTED)
     with record.lock:
         record.mark_first_token(a, 10.0)
-    assert a.prefill_seconds(sparse=False) == pytest.approx(2.0 + 6.0)
+    assert a.prefill_seconds() == pytest.approx(2.0 + 6.0)
 
 
 def test_one_calls_prefills_in_turn_are_each_charged_their_own_part() -> None:

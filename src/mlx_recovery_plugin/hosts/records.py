@@ -44,7 +44,8 @@ class LiveRequest:
     admitted_at: float | None = None
     first_token_at: float | None = None
     #: Seconds the host spent inside its scheduler's ``add_request`` for it (oMLX scores
-    #: a sparse prompt with its draft there, before the request queues).
+    #: a sparse prompt with its draft there, and restores a cached prefix, before the
+    #: request queues).
     door_s: float = 0.0
     #: The engine's :class:`PrefillShares` clock at its admission, and its share of the
     #: host's time from there to its first token (None: not admitted, or not there yet).
@@ -55,17 +56,19 @@ class LiveRequest:
         """When its prefill began: its admission, else (not seen) its arrival."""
         return self.admitted_at if self.admitted_at is not None else self.arrived_at
 
-    def prefill_seconds(self, sparse: bool) -> float | None:
+    def prefill_seconds(self) -> float | None:
         """Its prefill's own time, without the wait behind other requests nor the steps
         it shared with other prefills: its share of the host's time from admission to the
-        first token, plus (sparse) the route's work at the door. A request whose admission
-        was not seen is timed from its arrival, the wait included."""
+        first token, plus the host's work for it at the door (oMLX scores a sparse prompt
+        there, and fetches and rebuilds a cached prefix: a dense turn over a restored
+        prefix pays that too). A request whose admission was not seen is timed from its
+        arrival, the wait included."""
         if self.first_token_at is None:
             return None
         if self.admitted_at is None:
             return None if self.arrived_at is None else max(0.0, self.first_token_at - self.arrived_at)
         share = self.share_s if self.share_s is not None else self.first_token_at - self.admitted_at
-        return max(0.0, share + (self.door_s if sparse else 0.0))
+        return max(0.0, share + self.door_s)
 
 
 @dataclass(slots=True)

@@ -200,7 +200,7 @@ class Lifecycle(EngineBook):
         with record.lock:
             # It may have finished in the step that made its first token.
             seen = record.seen_prefilled(request_id, self._clock())
-        prefill_s = seen.prefill_seconds(sparse=True) if seen is not None else None
+        prefill_s = seen.prefill_seconds() if seen is not None else None
         return SparseRouteServed(
             engine_id=record.engine_id,
             request_id=request_id,
@@ -218,7 +218,7 @@ class Lifecycle(EngineBook):
     def prefill_event(self, record: EngineRecord, scheduler: Any, request_id: str, live: LiveRequest) -> RequestPrefilled | None:
         request = scheduler.running.get(request_id) or scheduler.requests.get(request_id)
         sparse = request is not None and took_sparse_route(request)
-        prefill_s = live.prefill_seconds(sparse)
+        prefill_s = live.prefill_seconds()
         if request is None or prefill_s is None:
             return None
         return RequestPrefilled(
