@@ -75,8 +75,7 @@ def test_a_dense_turn_over_a_restored_prefix_is_charged_the_restore_at_the_door(
     """oMLX fetches and rebuilds a cached prefix inside ``add_request``, before the
     request queues: a dense append over a published prefix costs the user that too, and
     the policy's measure of the host's dense append (its factor over the slices) must
-    include it. Before, only a sparse prompt's door was counted, and the real server's
-    host factor read 0.93-1.06 where the turns' time to first token said about 1.2."""
+    include it. Before, only a sparse prompt's door was counted."""
     now = [0.0]
     book = EngineBook(SimpleNamespace(request_departed=lambda event: None), clock=lambda: now[0])
     record = _record()
