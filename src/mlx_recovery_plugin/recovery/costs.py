@@ -56,10 +56,11 @@ MIN_SCATTER = 0.05
 # How far past the furthest band seen an estimate still counts as supported.
 SUPPORT_REACH = 1.25
 # The host's cached dense append over the slices' estimate of the same pass, before the
-# host has run one: on oMLX's scheduler (bench policy, 5 target shapes x 2 loads, this
-# project's 2-core CPU) it was 1.0-1.57x, median 1.33. A publication must beat the
-# sparse rerun with the host's cost, not the slices', and a host that turns out cheaper
-# replaces the prior at its first dense turn.
+# host has run one: on oMLX's scheduler in process (bench policy, 5 target shapes x 2
+# loads, this project's 2-core CPU) it was 1.0-1.57x, median 1.33 (1.28 on a later day);
+# the real server measured 0.93-1.06. A publication must beat the sparse rerun with the
+# host's cost, not the slices', and a host that turns out cheaper replaces the prior at
+# its first dense turn, which the host probe (:mod:`.host_probe`) makes sure comes.
 HOST_APPEND_PRIOR = 1.3
 # The host's dense turns whose ratio to the prediction is remembered (their median speaks).
 HOST_APPEND_SAMPLES = 8
