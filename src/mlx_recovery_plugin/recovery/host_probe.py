@@ -33,8 +33,8 @@ class HostCostProbe:
     def __init__(self, clock: Callable[[], float], wait_s: float = PROBE_WAIT_S) -> None:
         self._clock = clock
         self._wait_s = wait_s
-        self.job_id: int | None = None
-        self._since: float | None = None
+        #: The probe out (its job, and when it began), or None.
+        self._out: tuple[int, float] | None = None
         #: Probes begun (status).
         self.taken = 0
 
@@ -44,15 +44,15 @@ class HostCostProbe:
         waited its time."""
         if measured:
             return False
-        if self.job_id is None or self.job_id == job_id or self._since is None:
+        if self._out is None or self._out[0] == job_id:
             return True
-        return self._clock() - self._since >= self._wait_s
+        return self._clock() - self._out[1] >= self._wait_s
 
     def begin(self, job_id: int) -> None:
         """``job_id`` is the probe from now (a verdict to publish it as one was given)."""
-        if self.job_id != job_id:
-            self.job_id, self._since = job_id, self._clock()
+        if self._out is None or self._out[0] != job_id:
+            self._out = (job_id, self._clock())
             self.taken += 1
 
     def status(self) -> dict[str, object]:
-        return {"job_id": self.job_id, "taken": self.taken}
+        return {"job_id": None if self._out is None else self._out[0], "taken": self.taken}

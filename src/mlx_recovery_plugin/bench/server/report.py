@@ -288,8 +288,9 @@ class SessionResult:
         return committed_share(self._last_status(settled))
 
     def held_share(self, settled: bool = False) -> float | None:
-        """Tokens finished but still held back when the session ended (for a conversation
-        that may come back; not thrown away) over the tokens the slices ran: with
+        """Tokens finished but still held back when the session ended (``settled``: after
+        the idle time past its last answer, --settle; for a conversation that may come
+        back, not thrown away) over the tokens the slices ran: with
         :meth:`committed_share`, what of the work was neither committed nor is still kept.
         None where the plugin did not say."""
         return held_share(self._last_status(settled))
