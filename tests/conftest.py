@@ -20,6 +20,20 @@ def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(machine_load, "read_counters", lambda: None)
 
 
+@pytest.fixture(autouse=True)
+def no_reexec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command run in process that re-executes itself under OpenBLAS would replace the
+    test run with the command, and the run would end there with the command's exit status
+    (0: the rest of the tests never ran, and nothing said so). Outside ``.ci/run``, which
+    preloads OpenBLAS, every such command does it unless given ``--no-openblas``."""
+    from mlx_recovery_plugin.bench import openblas
+
+    def refuse(*args: object) -> None:
+        pytest.fail("the command under test re-executed itself under OpenBLAS: pass --no-openblas")
+
+    monkeypatch.setattr(openblas.os, "execve", refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer, hidden-64 float32 llama with the byte-level tokenizer."""

@@ -55,6 +55,36 @@ def test_the_report_counts_the_confusion_matrix_and_names_a_missed_goal() -> Non
     assert text.count("MISSED") == 3 and "wrong verdicts: 2" in text
 
 
+def test_a_stand_down_keeps_its_own_reason_beside_the_policys_last_one(tmp_path: Path) -> None:
+    """The policy's last reason may be a later hold; the cell keeps why the job stood down,
+    in the printed report and in the JSON."""
+    from mlx_recovery_plugin.bench.policy.measure import job_reason
+
+    jobs = [{"paused": None, "stood_down": None}, {"paused": "not yet clear", "stood_down": None},
+            {"paused": None, "stood_down": "a cached dense append costs more"}]
+    assert job_reason(jobs) == "a cached dense append costs more"
+    assert job_reason(jobs[:2]) == "not yet clear" and job_reason(jobs[:1]) is None
+    cell = result(dense=1.0, sparse=1.1, verdict="stood_down", turn=1.1)
+    cell.policy = {"reason": "a 512-token prefix ... beyond what was measured", "job_reason": job_reason(jobs)}
+    report = PolicyReport([cell, result(1.0, 2.0, "published", 1.0)])
+    assert f"{CELL.label}: stood_down: a cached dense append costs more" in format_report(report)
+    report.write_json(tmp_path / "policy.json")
+    assert format_report(PolicyReport.read_json(tmp_path / "policy.json")) == format_report(report)
+
+
+def test_the_host_factor_is_reported_only_where_the_next_turn_measured_it() -> None:
+    from mlx_recovery_plugin.bench.policy.measure import host_factor_after
+
+    assert host_factor_after({"host_append_factor": 1.3, "host_append_measured": 0}) == {
+        "host_append_factor_after": None, "host_append_measured_after": 0}  # the prior, not a measurement
+    measured = host_factor_after({"host_append_factor": 1.0912, "host_append_measured": 1})
+    assert measured == {"host_append_factor_after": 1.0912, "host_append_measured_after": 1}
+    cell = result(dense=1.0, sparse=2.0, verdict="published", turn=1.0)
+    cell.policy = dict(measured)
+    assert f"{CELL.label}: 1.09" in format_report(PolicyReport([cell]))
+    assert "measured on the next turn" not in format_report(PolicyReport([result(1.0, 2.0, "held", 2.0)]))
+
+
 def test_the_competing_load_runs_one_process_per_core_and_leaves_none_behind() -> None:
     with CompetingLoad(2) as load:
         children = list(load._children)

@@ -158,6 +158,24 @@ def test_a_burst_of_load_cannot_outvote_a_quiet_sample_of_the_same_context() -> 
     assert model.evidence == evidence
 
 
+def test_a_faster_sample_lower_in_the_top_band_keeps_what_was_measured_supported() -> None:
+    """Support is how far the evidence reaches: a faster slice a little lower in the
+    furthest band changes that band's rate, not how far the model has seen."""
+    model = DenseCostModel()
+    a, b = MATMUL_BOUND["a"], MATMUL_BOUND["b"]
+
+    def seconds(c: int, n: int = 128) -> float:
+        return a * n + b * (n * c + n * n / 2)
+
+    for c in (0, 512, 1024, 1792):  # the furthest at attended position 1,856
+        model.observe(c, 128, seconds(c))
+    # 1.25x past 1,856 reaches 2,320: a 128-token append over 2,150 attends at 2,214.
+    assert model.estimate(128, 2150).supported
+    model.observe(1700, 128, 0.95 * seconds(1700))  # attended at 1,764: the same band, faster
+    estimate = model.estimate(128, 2150)
+    assert estimate.supported and estimate.high < float("inf")
+
+
 def test_a_host_dense_append_near_the_next_turn_extends_the_evidence() -> None:
     from mlx_recovery_plugin.recovery.costs import Source
 

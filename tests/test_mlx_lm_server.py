@@ -103,7 +103,7 @@ def test_the_command_writes_the_json_with_its_long_run_and_a_plot(
     monkeypatch.setattr(adopter_mlx_lm, "run_mlx_lm_bench", bench)
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
     assert cli.main(["bench", "adopter", "--host", "mlx_lm", "--long-run", "8", "--long-run-snapshots", "2",
-                     "--out", str(out), "--plot", str(plot)]) == 0
+                     "--out", str(out), "--plot", str(plot), "--no-openblas"]) == 0
     assert (asked["long_run_documents"], asked["long_run_snapshots"]) == (8, 2)
     (written,) = json.loads(out.read_text())["long_run"]
     assert written["budget_bytes"] == long_run.budget_bytes and written["goal_met"]

@@ -590,16 +590,43 @@ def test_a_host_as_dear_as_the_prior_says_ends_the_probes_and_the_close_calls_st
     assert "not yet clear" in status["policy"]["reason"]
 
 
-def test_a_probe_whose_conversation_never_returns_lets_another_be_tried_at_its_next_turn(rigs) -> None:
+def test_a_probe_whose_conversation_never_returns_lets_another_be_tried_when_its_wait_runs_out(rigs) -> None:
     """X is published to measure the host and never comes back. Y, held meanwhile, is
-    tried as the probe at its own next turn once the probe's wait is over."""
+    published as the probe once the probe's wait has run out, before its own conversation
+    returns (the wait's end is evidence that reopens what the prior held), and not a
+    moment before."""
     from mlx_recovery_plugin.recovery.host_probe import PROBE_WAIT_S
 
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     x, _ = _whole_then_next(rig, 58)
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(x) == 960
-    y, y_next = _whole_then_next(rig, 60)
+    y, _ = _whole_then_next(rig, 60)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(y) == 0
+    # X became the probe in the 200 s just idled: 1 s short of its wait, at the most.
+    rig.clock.advance(PROBE_WAIT_S - 200.0 - 1.0)
+    rig.idle(until=rig.clock() + 0.5)
+    assert rig.restorable(y) == 0 and rig.status()["policy"]["host_probe"]["lapsed"] == 0
+    rig.clock.advance(201.0)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert rig.restorable(y) == 960, status["policy"]
+    assert "to measure the host" in status["policy"]["reason"]
+    assert status["policy"]["host_probe"] == {"job_id": status["policy"]["host_probe"]["job_id"], "taken": 2,
+                                              "lapsed": 1}
+
+
+def test_a_probe_that_lapsed_lets_a_paused_conversation_be_tried_at_its_next_turn(rigs) -> None:
+    """Y, held while X is the probe, comes back after X's wait with a cheaper sparse turn:
+    it is the probe at that turn, over its grown prefix."""
+    from mlx_recovery_plugin.recovery.host_probe import PROBE_WAIT_S
+
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    x, _ = _whole_then_next(rig, 62)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(x) == 960
+    y, y_next = _whole_then_next(rig, 64)
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(y) == 0
     rig.clock.advance(PROBE_WAIT_S)

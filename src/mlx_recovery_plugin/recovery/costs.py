@@ -56,11 +56,14 @@ MIN_SCATTER = 0.05
 # How far past the furthest band seen an estimate still counts as supported.
 SUPPORT_REACH = 1.25
 # The host's cached dense append over the slices' estimate of the same pass, before the
-# host has run one: on oMLX's scheduler in process (bench policy, 5 target shapes x 2
-# loads, this project's 2-core CPU) it was 1.0-1.57x, median 1.33 (1.28 on a later day);
-# the real server measured 0.93-1.06. A publication must beat the sparse rerun with the
-# host's cost, not the slices', and a host that turns out cheaper replaces the prior at
-# its first dense turn, which the host probe (:mod:`.host_probe`) makes sure comes.
+# host has run one. Read as 1.0-1.57x, median 1.33, on oMLX's scheduler in process (bench
+# policy, 5 target shapes x 2 loads, this project's 2-core CPU), but those ratios set a
+# 600-token turn against the estimate for the 512 tokens assumed before a conversation
+# has grown: per token they were 1.03-1.23x, median 1.11; the real server measured
+# 0.93-1.06. So 1.3 errs on the side of the host's own route. A publication must beat the
+# sparse rerun at the host's cost, not the slices', and a host that turns out cheaper
+# replaces the prior at its first dense turn, which the host probe (:mod:`.host_probe`)
+# makes sure comes.
 HOST_APPEND_PRIOR = 1.3
 # The host's dense turns whose ratio to the prediction is remembered (their median speaks).
 HOST_APPEND_SAMPLES = 8
@@ -205,8 +208,12 @@ class DenseCostModel:
 
     @property
     def support(self) -> float:
-        """The furthest mean attended position any band has seen (0 with no samples)."""
-        return max((band.at for band in self._bands.values()), default=0.0)
+        """The furthest mean attended position any band has seen (0 with no samples): of
+        any of its recent samples, not only of the fastest one, which speaks for the band's
+        rate; else a faster sample a little lower in the top band would take support away
+        from what was already measured (a whole prefix held "not yet clear" at the end of
+        the probe's own run)."""
+        return max((at for band in self._bands.values() for _, at in band.samples), default=0.0)
 
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token, and per token per attended position; None until

@@ -9,7 +9,9 @@ never serves a dense turn and the prior is never corrected: a wrong verdict no e
 can change (bench server, three conversations, a shape that pays 1.6-1.9x: six turns
 lost). So one such prefix is published to measure the host, the probe; while it is out,
 no other is. The probe is over when the host's factor is measured, or, if the
-conversation has not come back within :data:`PROBE_WAIT_S`, another may be tried.
+conversation has not come back within :data:`PROBE_WAIT_S`, another may be tried: the
+wait running out counts as new evidence (:attr:`HostCostProbe.lapsed`), so a prefix held
+or paused on the prior is judged again then, not only at its conversation's next turn.
 
 A probe is only taken where, at the prior's own expected cost, the dense turn is no
 slower than the sparse rerun (:func:`~.costs.decide`): if the prior is right, the probe
@@ -37,6 +39,8 @@ class HostCostProbe:
         self._out: tuple[int, float] | None = None
         #: Probes begun (status).
         self.taken = 0
+        # Probes replaced after their wait ran out.
+        self._lapsed_before = 0
 
     def may_probe(self, job_id: int, measured: int) -> bool:
         """``job_id`` may be published as the probe: the host's factor is not measured
@@ -46,13 +50,24 @@ class HostCostProbe:
             return False
         if self._out is None or self._out[0] == job_id:
             return True
-        return self._clock() - self._out[1] >= self._wait_s
+        return self._waited(self._out[1])
+
+    def _waited(self, since: float) -> bool:
+        return self._clock() - since >= self._wait_s
+
+    @property
+    def lapsed(self) -> int:
+        """Probes whose wait has run out, the one out included: grows (never falls) when a
+        wait runs out, so that what was held on the prior is judged again."""
+        return self._lapsed_before + (self._out is not None and self._waited(self._out[1]))
 
     def begin(self, job_id: int) -> None:
         """``job_id`` is the probe from now (a verdict to publish it as one was given)."""
         if self._out is None or self._out[0] != job_id:
+            if self._out is not None and self._waited(self._out[1]):
+                self._lapsed_before += 1
             self._out = (job_id, self._clock())
             self.taken += 1
 
     def status(self) -> dict[str, object]:
-        return {"job_id": None if self._out is None else self._out[0], "taken": self.taken}
+        return {"job_id": None if self._out is None else self._out[0], "taken": self.taken, "lapsed": self.lapsed}

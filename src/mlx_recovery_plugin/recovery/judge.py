@@ -147,9 +147,10 @@ class PublishJudge:
     @property
     def evidence(self) -> int:
         """Grows whenever what the policy knows changes (a cost model's evidence, a sparse
-        turn measured, the machine's load regime): a verdict taken on less may be
-        revisited."""
-        return sum(m.evidence for m in self._models.values()) + self._sparse_updates + self._switches
+        turn measured, the machine's load regime, a probe's wait run out): a verdict taken
+        on less may be revisited."""
+        return (sum(m.evidence for m in self._models.values()) + self._sparse_updates + self._switches
+                + self._probe.lapsed)
 
     def keep_only(self, job_ids: Iterable[int]) -> None:
         """Forget the conversations whose jobs have left the book."""

@@ -205,6 +205,7 @@ def measure_cell(
             before = _engine_status(rec.plugin.status())
             row = rec.serve(nexts[0], 1).row
             rec.think(SETTLE_S)
+            turned = _engine_status(rec.plugin.status()).get("policy", {})
             # The sparse rerun once more, right after: the machine's speed drifts over a
             # cell, and the turn with recovery is judged against reruns on both sides of it.
             after = on.serve(base + tokens(cell.append, seed + 1 + len(nexts)), len(nexts) + 1).row.ttft_s
@@ -219,7 +220,8 @@ def measure_cell(
         recovery_turn_s=row.ttft_s, recovery_cached=row.cached_tokens,
         verdict=_verdict(row.cached_tokens, cached, matrix.block, jobs, counters),
         policy={k: before.get("policy", {}).get(k) for k in
-                ("verdict", "reason", "dense_append_s", "sparse_rerun_s", "dense_cost_samples")},
+                ("verdict", "reason", "dense_append_s", "sparse_rerun_s", "dense_cost_samples")}
+        | {"job_reason": job_reason(jobs), **host_factor_after(turned)},
         tokens_run=int(counters.get("tokens_run", 0)), tokens_recovered=int(counters.get("tokens_recovered", 0)),
         idle_s=rec.result.recovery_seconds,
     )
@@ -235,6 +237,25 @@ def _engine_status(status: dict[str, Any]) -> dict[str, Any]:
     engines = status.get("engines") or {}
     values = list(engines.values()) if isinstance(engines, dict) else list(engines)
     return dict(values[0]) if values else {}
+
+
+def host_factor_after(policy: dict[str, Any]) -> dict[str, Any]:
+    """The host's dense append over the slices' estimate as the policy measured it on the
+    next turn (its real length; None where that turn was not a dense append over a
+    prefix), and how many such turns it has seen."""
+    measured = int(policy.get("host_append_measured") or 0)
+    return {"host_append_factor_after": policy.get("host_append_factor") if measured else None,
+            "host_append_measured_after": measured}
+
+
+def job_reason(jobs: list[dict[str, Any]]) -> str | None:
+    """Why a job stood down or paused, in its own words: the policy's last reason is that of
+    its latest verdict, which may be a later hold of another prefix."""
+    for key in ("stood_down", "paused"):
+        reason = next((job[key] for job in jobs if job.get(key)), None)
+        if reason:
+            return str(reason)
+    return None
 
 
 def _verdict(cached: int, dense_cached: int, block: int, jobs: list[dict[str, Any]], counters: dict[str, Any]) -> str:

@@ -94,13 +94,21 @@ def format_report(report: PolicyReport) -> str:
             f"{r.truth:>6} {r.verdict:>10} {r.recovery_turn_s:7.2f} {r.turn_ratio:6.2f} "
             f"{r.recovery_cached:7d} {kept:>5} {r.cost_s:6.2f}{mark}"
         )
+    held_back = [r for r in report.results if r.policy.get("job_reason")]
+    if held_back:
+        lines += ["", "why a job stood down or paused (its own reason):"]
+        lines += [f"  {r.cell.label}: {r.verdict}: {r.policy['job_reason']}" for r in held_back]
+    factors = [r for r in report.results if r.policy.get("host_append_factor_after") is not None]
+    if factors:
+        lines += ["", "the host's dense append over the slices' estimate, measured on the next turn:"]
+        lines += [f"  {r.cell.label}: {r.policy['host_append_factor_after']:.2f}" for r in factors]
     lines += ["", "confusion (truth x what the policy did):"]
     for truth, row in report.confusion().items():
         lines.append(f"  {truth:<6} published {row['published']:3d}   not published {row['not_published']:3d}")
     wrong = [r for r in report.results if r.wrong]
     lines.append(f"wrong verdicts: {len(wrong)}, costing {sum(r.cost_s for r in wrong):.2f} s of next-turn time")
     for r in wrong:
-        lines.append(f"  {r.cell.label}: {r.verdict} ({r.policy.get('reason')})")
+        lines.append(f"  {r.cell.label}: {r.verdict} ({r.policy.get('job_reason') or r.policy.get('reason')})")
     for goal, met in report.goals().items():
         lines.append(f"{'met' if met else 'MISSED'}: {goal}")
     return "\n".join(lines)
