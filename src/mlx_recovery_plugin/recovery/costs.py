@@ -56,15 +56,16 @@ MIN_SCATTER = 0.05
 # How far past the furthest band seen an estimate still counts as supported.
 SUPPORT_REACH = 1.25
 # The host's cached dense append over the slices' estimate of the same pass, before the
-# host has run one. Read as 1.0-1.57x, median 1.33, on oMLX's scheduler in process (bench
-# policy, 5 target shapes x 2 loads, this project's 2-core CPU), but those ratios set a
-# 600-token turn against the estimate for the 512 tokens assumed before a conversation
-# has grown: per token they were 1.03-1.23x, median 1.11; the real server measured
-# 0.93-1.06. So 1.3 errs on the side of the host's own route. A publication must beat the
-# sparse rerun at the host's cost, not the slices', and a host that turns out cheaper
-# replaces the prior at its first dense turn, which the host probe (:mod:`.host_probe`)
-# makes sure comes.
-HOST_APPEND_PRIOR = 1.3
+# host has run one. The policy's own measurement of it (the host's prefill time over the
+# estimate at the turn's real length) read 1.00-1.01 on the real oMLX server and 1.01 on
+# its scheduler in process (bench policy, 4096x2 at 8,704). An earlier prior of 1.3 was
+# read from bench policy cells as time to first token over the estimate the policy makes
+# for the 512 tokens it assumes before a conversation has grown, where the turn added 600:
+# per token 1.03-1.23x, upper quartile 1.19, time to first token included. 1.2 keeps that
+# caution (a close call waits for the host's first dense turn, or the probe) without the
+# length mismatch; a host that turns out cheaper replaces the prior at its first dense
+# turn, which the host probe (:mod:`.host_probe`) makes sure comes.
+HOST_APPEND_PRIOR = 1.2
 # The host's dense turns whose ratio to the prediction is remembered (their median speaks).
 HOST_APPEND_SAMPLES = 8
 

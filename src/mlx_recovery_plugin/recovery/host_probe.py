@@ -2,8 +2,8 @@
 
 Until the host has served a dense turn over a published prefix, the policy weighs a
 publication at :data:`~.costs.HOST_APPEND_PRIOR` times the slices' estimate. A prior is
-a guess from one machine: on oMLX it was 1.33x the slices' estimate on the machine it was
-measured on and 0.93-1.06x on two others. Where the prior alone holds a whole prefix
+a cautious guess (measured on oMLX: 0.93-1.06x on the real server, 1.01x in process;
+see the constant for why the prior is higher). Where the prior alone holds a whole prefix
 back (the slices' own estimate pays by the margin), holding it forever means the host
 never serves a dense turn and the prior is never corrected: a wrong verdict no evidence
 can change (bench server, three conversations, a shape that pays 1.6-1.9x: six turns
