@@ -8,7 +8,7 @@ import enum
 import re
 from pathlib import Path
 
-from mlx_recovery_plugin.settings import ENV_PREFIX, RecoverySettings
+from mlx_recovery_plugin.settings import RecoverySettings, env_name
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -30,9 +30,9 @@ def settings_rows() -> dict[str, str]:
 def test_every_setting_is_in_the_readme_table_with_its_default() -> None:
     rows = settings_rows()
     fields = RecoverySettings.model_fields
-    assert set(rows) == {f"{ENV_PREFIX}{name}".upper() for name in fields}
+    assert set(rows) == {env_name(name) for name in fields}
     for name, field in fields.items():
-        cell = rows[f"{ENV_PREFIX}{name}".upper()]
+        cell = rows[env_name(name)]
         default = field.default
         if isinstance(default, enum.Enum):
             assert cell == f"`{default.value}`", name
