@@ -342,12 +342,12 @@ def test_the_judge_remembers_a_few_recent_sparse_turns_and_weighs_the_cheapest()
         judge.note_route(job, _sparse_turn(8704, seconds, f"r{turn}"), appended=600, now=0.0)
     route = judge._routes[job.job_id]
     assert [s.seconds for s in route.recent[Regime.QUIET]] == [6.0, 7.0, 8.0][-RECENT_SPARSE:]
-    assert route.cheapest(Regime.QUIET).seconds == 6.0 and route.sparse[Regime.QUIET].seconds == 8.0
-    assert route.cheapest(Regime.BUSY) is None
+    assert route.cheapest(Regime.QUIET, 600).seconds == 6.0 and route.sparse[Regime.QUIET].seconds == 8.0
+    assert route.cheapest(Regime.BUSY, 600) is None
     # A route that became far slower (not noise: beyond NOISE_SPAN) is weighed by its latest turn.
     counters.advance(5.0, others=0.0)
     judge.note_route(job, _sparse_turn(8704, 60.0, "r4"), appended=600, now=0.0)
-    assert route.cheapest(Regime.QUIET).seconds == 60.0
+    assert route.cheapest(Regime.QUIET, 600).seconds == 60.0
 
 
 def test_a_first_turn_counts_its_draft_reading_only_for_the_new_tokens_when_weighing_a_publication() -> None:
@@ -373,7 +373,7 @@ def test_a_first_turn_counts_its_draft_reading_only_for_the_new_tokens_when_weig
     judge.note_route(job, event, appended=600, now=0.0)
     route = judge._routes[job.job_id]
     assert route.sparse[Regime.QUIET].seconds == 12.5  # a stand-down still weighs the turn as it was
-    assert route.cheapest(Regime.QUIET).seconds == pytest.approx(rerun.seconds)
+    assert route.cheapest(Regime.QUIET, 600).seconds == pytest.approx(rerun.seconds)
 
 
 def test_one_sparse_turn_told_by_both_hooks_is_one_recent_sample() -> None:
@@ -470,3 +470,31 @@ def test_a_probe_is_taken_only_where_the_prior_alone_holds_a_whole_prefix_back()
         noisy.observe(c, 512, scale * 2e-3 * 512)
     unsure = decide(noisy, **kw, measured=SparseSample(9816, noisy.seconds(600, 9216) / 0.75), may_probe=True)
     assert unsure.verdict is Verdict.HOLD and not unsure.probes, unsure.reason
+
+
+def test_a_conversation_that_has_not_grown_yet_is_judged_at_the_growth_the_others_showed() -> None:
+    """An agent that reads files appends thousands of tokens a turn. Before a conversation
+    has grown, the 512 tokens assumed make its dense append look cheap; a publication then
+    turns it dense for good. Once another conversation on the server has grown by 2,600,
+    the new one's first gap is judged at that growth, and its own growth speaks once seen."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    first, second = RecoveryJob(1, tuple(range(8704)), 8704), RecoveryJob(2, tuple(range(1, 8705)), 8704)
+    counters.advance(10.0, others=0.0)
+    judge.note_route(second, _sparse_turn(8704, 6.0, "b1"), appended=None, now=0.0)
+    for context in range(0, 8704, 1024):  # ~2.9 ms a token at 9k, x1.2 for the host: 512 cost ~1.8 s
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (2e-3 + 1e-7 * (context + 512)))
+    assert judge.status()["new_conversation_append"] == 512
+    assert judge.judge(second, 8704).verdict is Verdict.PUBLISH
+    # The other conversation's second turn grew by 2,600: a dense append of that over
+    # 8,704 costs ~9 s, the sparse rerun ~7.8 s.
+    judge.note_route(first, _sparse_turn(11304, 7.8, "a2"), appended=2600, now=1.0)
+    assert judge.status()["new_conversation_append"] == 2600
+    held = judge.judge(second, 8704)
+    assert held.verdict is not Verdict.PUBLISH and held.dense_s is not None and held.sparse_s is not None
+    assert held.dense_s > held.sparse_s, held.reason
+    judge.note_route(second, _sparse_turn(9304, 6.3, "b2"), appended=600, now=2.0)  # its own growth: short
+    assert judge.judge(second, 8704).verdict is Verdict.PUBLISH

@@ -66,9 +66,11 @@ def test_the_command_line_sets_the_context_in_tokens_and_needs_no_draft_for_rapi
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["server", "--host", "rapid", "--model-dir", str(tmp_path), "--target-id", "smol",
-                              "--context-tokens", "5200", "--max-tokens", "8"])
+                              "--context-tokens", "5200", "--max-tokens", "8", "--tool-tokens", "2500"])
     config = _config(args, tmp_path)
     assert config.shape.context_chars == 5200 and config.max_tokens == 8
+    grown = sessions.token_sizes(sessions.agent(config.shape, 1.0), count_with(byte_encode)).appended
+    assert all(2500 < n < 2800 for n in grown[1:]), grown  # the tool output, a reply and a question
     assert config.pair == ModelPair(tmp_path, "smol", "")
     with pytest.raises(ValueError, match="--draft-id"):
         _config(parser.parse_args(["server", "--model-dir", str(tmp_path), "--target-id", "smol"]), tmp_path)

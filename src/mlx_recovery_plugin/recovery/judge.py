@@ -13,7 +13,9 @@ change and replaces in one assignment, so a reader never iterates live state.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -49,6 +51,11 @@ NOISE_SPAN = 2.0
 # How soon a conversation is expected back: the chance it has not returned halves every
 # this many seconds (a production chat trace: median gap to the next turn 126 s, p90 480 s).
 RETURN_HALF_LIFE_S = 180.0
+# Growths remembered across conversations. A conversation that has not grown yet (its
+# first gap) is expected to grow as the others on this server did; the upper quartile,
+# because the first publication decides for every later turn (the host caches each dense
+# turn, so the conversation stays dense), while a wrong hold costs one turn's saving.
+SEEN_APPENDS = 16
 
 
 @dataclass(slots=True)
@@ -78,12 +85,11 @@ class RouteMemory:
             recent = recent[:-1]
         self.recent[regime] = (*recent[-(RECENT_SPARSE - 1):], sample)
 
-    def cheapest(self, regime: Regime) -> SparseSample | None:
-        """Of the recent sparse turns in ``regime``, each as a rerun that grew by the last
-        append (:meth:`SparseSample.as_rerun`), the one cheapest per token among those
-        within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a route that
-        has since changed)."""
-        appended = self.last_append or DEFAULT_APPEND_TOKENS
+    def cheapest(self, regime: Regime, appended: int) -> SparseSample | None:
+        """Of the recent sparse turns in ``regime``, each as a rerun that grew by
+        ``appended`` tokens (:meth:`SparseSample.as_rerun`), the one cheapest per token
+        among those within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a
+        route that has since changed)."""
         samples = [x.as_rerun(appended) for x in self.recent.get(regime, ())]
         if not samples:
             return None
@@ -114,6 +120,8 @@ class PublishJudge:
         self._switches = 0
         self.last: Decision | None = None
         self._routes: dict[int, RouteMemory] = {}
+        # The last ``SEEN_APPENDS`` growths of any conversation (engine thread).
+        self._appends: deque[int] = deque(maxlen=SEEN_APPENDS)
         # What the host's own turns said of the predictions (engine thread).
         self._host_turns = 0
         self._host_append = HostAppendFactor()
@@ -143,6 +151,20 @@ class PublishJudge:
             ))
         if appended is not None:
             route.last_append = appended
+            if appended > 0:
+                self._appends.append(appended)
+                self._status = self._build_status()
+
+    def next_append(self, route: RouteMemory) -> int:
+        """How much ``route``'s conversation is expected to grow at its next turn: as it
+        did at its last; before it has grown, the upper quartile of what the server's other
+        conversations grew by (see ``SEEN_APPENDS``); before any has, ``DEFAULT_APPEND_TOKENS``."""
+        if route.last_append:
+            return route.last_append
+        if not self._appends:
+            return DEFAULT_APPEND_TOKENS
+        seen = sorted(self._appends)
+        return seen[max(0, math.ceil(0.75 * len(seen)) - 1)]
 
     @property
     def evidence(self) -> int:
@@ -205,7 +227,7 @@ class PublishJudge:
         if route is None:
             return 0.0
         full = job.publish_end(self.block_size)
-        next_tokens = len(job.tokens) + (route.last_append or DEFAULT_APPEND_TOKENS)
+        next_tokens = len(job.tokens) + self.next_append(route)
         keep = route.keep if route.keep is not None else DEFAULT_KEEP
         sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, self._sparse_sample(route, keep))
         if sparse is None:
@@ -222,15 +244,16 @@ class PublishJudge:
         else:
             route = self._routes.get(job.job_id) or RouteMemory()
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
+            appended = self.next_append(route)
             decision = decide(
                 self.costs,
                 boundary=boundary,
                 full_boundary=job.publish_end(self.block_size),
-                next_tokens=len(job.tokens) + (route.last_append or DEFAULT_APPEND_TOKENS),
+                next_tokens=len(job.tokens) + appended,
                 threshold=route.threshold,
                 keep=keep,
                 measured=self._sparse_sample(route, keep),
-                cheapest=route.cheapest(self.regime),
+                cheapest=route.cheapest(self.regime, appended),
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
@@ -304,6 +327,8 @@ class PublishJudge:
                 "host_append_measured": self._host_append.measured,
                 # The job published (or being run to be) to measure the host's factor.
                 "host_probe": self._probe.status(),
+                # What a conversation that has not grown yet is expected to grow by.
+                "new_conversation_append": self.next_append(RouteMemory()),
                 "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,

@@ -54,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "was not slower, and the report gives the worst of those turns)")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="tokens of each conversation's long first user message, in the target's tokens (default 8500)")
+    p.add_argument("--tool-tokens", type=int, default=None,
+                   help="tokens of the tool output each later turn appends, in the target's tokens (default 420: "
+                   "with the reply and the question a turn grows by ~600; an agent reading files appends thousands)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens each turn generates (default 2); the answers are compared with sparse off's")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
@@ -129,6 +132,10 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         if args.context_tokens <= 0:
             raise ValueError(f"--context-tokens must be positive; got {args.context_tokens}")
         config.shape = dataclasses.replace(config.shape, context_chars=args.context_tokens)
+    if getattr(args, "tool_tokens", None) is not None:
+        if args.tool_tokens < 0:
+            raise ValueError(f"--tool-tokens must be 0 or more; got {args.tool_tokens}")
+        config.shape = dataclasses.replace(config.shape, tool_chars=args.tool_tokens)
     if getattr(args, "conversations", None) is not None:
         if args.conversations < 1:
             raise ValueError(f"--conversations must be at least 1; got {args.conversations}")
