@@ -498,3 +498,43 @@ def test_a_conversation_that_has_not_grown_yet_is_judged_at_the_growth_the_other
     assert held.dense_s > held.sparse_s, held.reason
     judge.note_route(second, _sparse_turn(9304, 6.3, "b2"), appended=600, now=2.0)  # its own growth: short
     assert judge.judge(second, 8704).verdict is Verdict.PUBLISH
+
+
+def _door_turn(tokens: int, seconds: float, door_s: float, request_id: str) -> Any:
+    from mlx_recovery_plugin.events import SparseRouteServed
+
+    return SparseRouteServed("e", request_id, "m", tuple(range(tokens)), 0, tokens, threshold=8192, keep=0.2,
+                             prefill_s=seconds, door_s=door_s)
+
+
+def test_the_doors_rereading_of_a_prompt_is_learned_from_the_hosts_reruns_and_weighed() -> None:
+    """oMLX's draft keeps its reading of a conversation, but re-scoring still costs: on the
+    real server a first turn's 8,594 tokens took 3.4 s at the door and the next turn's
+    11,278 (8,448 read before) 2.2 s, so a token read before cost ~1/3 of a new one.
+    Counted as free, the rerun looked ~1.5 s cheaper than it was and held back a
+    publication that pays."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    counters.advance(10.0, others=0.0)
+    first = RecoveryJob(1, tuple(range(8594)), 8594)
+    judge.note_route(first, _door_turn(8594, 6.4, 3.4, "a1"), appended=None, now=0.0)
+    for context in range(0, 11264, 1024):
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (1.4e-3 + 5e-8 * (context + 512)))
+    job = RecoveryJob(1, tuple(range(11278)), 11278)
+    assert judge.status()["door_reread_share"] == 0.0  # nothing measured: counted as free
+    # The conversation came back sparse (held): its door re-read 8,448 tokens.
+    judge.note_route(job, _door_turn(11278, 6.0, 2.2, "a2"), appended=2684, now=1.0)
+    share = judge.status()["door_reread_share"]
+    assert share == pytest.approx((2.2 - 3.4 / 8594 * 2684) / 3.4, abs=0.01)  # ~0.34
+    assert judge.status()["door_reread_measured"] == 1
+    decision = judge.judge(job, 11264)
+    assert decision.verdict is Verdict.PUBLISH, decision.reason
+    # The same judge with the share forgotten (the re-reading counted as free) holds back.
+    from mlx_recovery_plugin.recovery.door_reading import DoorReread
+
+    judge._reread = DoorReread()
+    held = judge.judge(job, 11264)
+    assert held.verdict is Verdict.HOLD and "not yet clear" in held.reason, held.reason

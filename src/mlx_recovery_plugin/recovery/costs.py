@@ -35,9 +35,12 @@ its engine thread only (the status copies its coefficients under the service's l
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+
+from .door_reading import rerun_door_seconds
 
 # Publish only when the dense append is estimated at no more than this share of the
 # sparse rerun: estimates are noisy, and a wrong "yes" makes a turn slower than sparse.
@@ -103,16 +106,21 @@ class SparseSample:
     door_s: float | None = None  # of ``seconds``, the host's scoring at its door (see SparseRouteServed)
     request_id: str | None = None  # the host's request: one turn reported by two hooks is one sample
 
-    def as_rerun(self, appended: int) -> SparseSample:
+    def as_rerun(self, appended: int, fresh_rate: float | None = None, reread: float = 0.0) -> SparseSample:
         """What the same turn would cost as a rerun that grew by ``appended`` tokens on a
         host that keeps its door's reading of the prompt (oMLX's draft cache): the door's
-        share for the new tokens only. A lower bound of the rerun where the host keeps
-        nothing, so it may only ever hold a publication back."""
+        time for the new tokens at ``fresh_rate`` seconds each (default: this turn's door
+        per token) and for the tokens it read before at ``reread`` of that (see
+        :mod:`.door_reading`). With ``reread`` 0, a lower bound of the rerun, so it may
+        only ever hold a publication back."""
         if not self.door_s or self.tokens <= 0:
             return self
         door = min(self.door_s, self.seconds)
-        share = min(1.0, max(0, appended) / self.tokens)
-        return SparseSample(self.tokens, self.seconds - door + door * share, self.others_share,
+        if fresh_rate:
+            again = rerun_door_seconds(fresh_rate, appended, self.tokens, reread)
+        else:  # this turn's own rate, at most its whole door for the new tokens
+            again = rerun_door_seconds(door / self.tokens, min(appended, self.tokens), self.tokens, reread)
+        return SparseSample(self.tokens, self.seconds - door + again, self.others_share,
                             request_id=self.request_id)
 
 
@@ -279,11 +287,7 @@ class HostAppendFactor:
 
     @property
     def value(self) -> float:
-        if not self._ratios:
-            return self.prior
-        ordered = sorted(self._ratios)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+        return statistics.median(self._ratios) if self._ratios else self.prior
 
 
 def _scaled(estimate: Estimate, factor: float) -> Estimate:

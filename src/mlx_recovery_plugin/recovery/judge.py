@@ -34,6 +34,7 @@ from .costs import (
     decide,
     sparse_rerun_seconds,
 )
+from .door_reading import DoorReread, reread_share
 from .host_probe import HostCostProbe
 from .jobs import RecoveryJob
 from .machine_load import MachineLoad, Regime
@@ -74,6 +75,9 @@ class RouteMemory:
     predicted_dense_s: float | None = None
     #: When the host last served the conversation (the service's clock).
     served_at: float | None = None
+    #: The host's door time per token on the conversation's first sparse turn (see
+    #: :mod:`.door_reading`); None where the host reports no door.
+    fresh_door_rate: float | None = None
 
     def remember(self, regime: Regime, sample: SparseSample) -> None:
         """A sparse turn measured in ``regime``: the latest, and one of the recent. The
@@ -85,12 +89,13 @@ class RouteMemory:
             recent = recent[:-1]
         self.recent[regime] = (*recent[-(RECENT_SPARSE - 1):], sample)
 
-    def cheapest(self, regime: Regime, appended: int) -> SparseSample | None:
+    def cheapest(self, regime: Regime, appended: int, reread: float = 0.0) -> SparseSample | None:
         """Of the recent sparse turns in ``regime``, each as a rerun that grew by
-        ``appended`` tokens (:meth:`SparseSample.as_rerun`), the one cheapest per token
-        among those within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a
-        route that has since changed)."""
-        samples = [x.as_rerun(appended) for x in self.recent.get(regime, ())]
+        ``appended`` tokens whose door re-reads a token at ``reread`` of a new one's cost
+        (:meth:`SparseSample.as_rerun`), the one cheapest per token among those within
+        ``NOISE_SPAN`` of the latest (older, much cheaper turns are a route that has since
+        changed)."""
+        samples = [x.as_rerun(appended, self.fresh_door_rate, reread) for x in self.recent.get(regime, ())]
         if not samples:
             return None
 
@@ -126,6 +131,7 @@ class PublishJudge:
         self._host_turns = 0
         self._host_append = HostAppendFactor()
         self._probe = HostCostProbe(clock)
+        self._reread = DoorReread()
         self._sparse_updates = 0
         self._last_turn: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
@@ -145,6 +151,7 @@ class PublishJudge:
             route.keep = float(event.keep)
         regime = self._look()
         if event.prefill_s is not None and event.prefill_s > 0:
+            self._note_door(route, event, appended)
             route.remember(regime, SparseSample(
                 len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share, event.door_s,
                 event.request_id,
@@ -154,6 +161,19 @@ class PublishJudge:
             if appended > 0:
                 self._appends.append(appended)
                 self._status = self._build_status()
+
+    def _note_door(self, route: RouteMemory, event: SparseRouteServed, appended: int | None) -> None:
+        """A sparse turn's door time: the conversation's rate per new token at its first,
+        what a token read before cost at the later ones (:mod:`.door_reading`)."""
+        tokens = len(event.tokens) - event.served_start
+        if not event.door_s or event.door_s <= 0 or tokens <= 0:
+            return
+        if route.fresh_door_rate is None:
+            if appended is None:  # a conversation's first turn: its door read every token
+                route.fresh_door_rate = event.door_s / tokens
+            return
+        if appended:
+            self._reread.observe(reread_share(route.fresh_door_rate, event.door_s, tokens, appended))
 
     def next_append(self, route: RouteMemory) -> int:
         """How much ``route``'s conversation is expected to grow at its next turn: as it
@@ -253,7 +273,7 @@ class PublishJudge:
                 threshold=route.threshold,
                 keep=keep,
                 measured=self._sparse_sample(route, keep),
-                cheapest=route.cheapest(self.regime, appended),
+                cheapest=route.cheapest(self.regime, appended, self._reread.value),
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
@@ -329,6 +349,10 @@ class PublishJudge:
                 "host_probe": self._probe.status(),
                 # What a conversation that has not grown yet is expected to grow by.
                 "new_conversation_append": self.next_append(RouteMemory()),
+                # What a token the host's door read before costs there, as a share of a
+                # new one, and how many sparse reruns measured it (0: counted as free).
+                "door_reread_share": round(self._reread.value, 4),
+                "door_reread_measured": self._reread.measured,
                 "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
