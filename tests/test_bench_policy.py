@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,6 +99,24 @@ def test_a_shape_is_checked_before_anything_runs(capsys: pytest.CaptureFixture[s
         parse_shape("1000x2x2000x16x4")
     assert main(["bench", "policy", "--shapes", "64x2", "--no-openblas"]) == 2
     assert "HIDDENxLAYERSxFFNxHEADSxKV" in capsys.readouterr().err
+    assert main(["bench", "policy", "--append", "9000", "--no-openblas"]) == 2
+    assert "the host's sparse threshold" in capsys.readouterr().err
+
+
+def test_the_next_turns_growth_is_set_on_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from mlx_recovery_plugin.bench.policy import run
+
+    class Measured(Exception):
+        pass
+
+    def measure(matrix: Any, *args: Any, **kwargs: Any) -> None:
+        assert {cell.append for cell in matrix.cells} == {2600}
+        raise Measured
+
+    monkeypatch.setattr(run, "run_matrix", measure)
+    with pytest.raises(Measured):
+        main(["bench", "policy", "--append", "2600", "--shapes", "1024x2x2048x8x2", "--contexts", "8704",
+              "--load", "off", "--model-dir", str(tmp_path), "--no-openblas"])
 
 
 def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..openblas import add_openblas_flag, maybe_reexec
-from .cells import CONTEXTS, SHAPES, full_matrix, parse_shape, quick_matrix
+from .cells import APPEND, CONTEXTS, SHAPES, THRESHOLD, full_matrix, parse_shape, quick_matrix
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        f"{s.hidden_size}x{s.num_layers}x{s.intermediate_size}x{s.num_heads}x{s.num_kv_heads}"
                        for s in SHAPES) + ")")
     p.add_argument("--contexts", nargs="+", type=int, help=f"first-turn tokens (default {' '.join(map(str, CONTEXTS))})")
+    p.add_argument("--append", type=int, default=APPEND,
+                   help=f"tokens the next turn appends (default {APPEND}; an agent reading files appends thousands, "
+                   "and the policy judges a conversation that has not grown yet at 512)")
     p.add_argument("--load", choices=("both", "off", "on"), default="both", help="cells with a competing CPU load "
                    "during the first turn and recovery's idle time (default both)")
     p.add_argument("--load-processes", type=int, default=None, help="busy processes of the load (default: one per core)")
@@ -53,7 +56,10 @@ def _run(args: argparse.Namespace) -> int:
             matrix = quick_matrix(loads)
         else:
             shapes = tuple(parse_shape(s, seed=30 + i) for i, s in enumerate(args.shapes)) if args.shapes else SHAPES
-            matrix = full_matrix(shapes, tuple(args.contexts) if args.contexts else CONTEXTS, loads)
+            if not 0 < args.append < THRESHOLD:
+                raise ValueError(f"--append must be between 1 and {THRESHOLD - 1} (the host's sparse threshold: a "
+                                 f"longer turn goes sparse whatever is cached); got {args.append}")
+            matrix = full_matrix(shapes, tuple(args.contexts) if args.contexts else CONTEXTS, loads, args.append)
         if args.repeats < 1:
             raise ValueError("--repeats must be at least 1")
     except ValueError as exc:
