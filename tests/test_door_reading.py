@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_recovery_plugin.recovery.costs import SparseSample
-from mlx_recovery_plugin.recovery.door_reading import DoorReread, rerun_door_seconds, reread_share
+from mlx_recovery_plugin.recovery.door_reading import DoorReread, reread_share, rerun_door_seconds
 
 # The real server's figures (oMLX, bench model): a first turn's 8,594 tokens scored in
 # 3.4 s; the next turn's 11,278 tokens, 8,448 of them read before, in 2.2 s.

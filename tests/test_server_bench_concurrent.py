@@ -6,13 +6,14 @@ short concurrent session on the real oMLX server when it is installed."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from mlx_recovery_plugin.bench.server import process, sessions
-from mlx_recovery_plugin.bench.server.concurrent import serve_concurrently
+from mlx_recovery_plugin.bench.server.concurrent import ORDER_WAIT_S, serve_concurrently
 from mlx_recovery_plugin.bench.server.report import (
     ArmRun,
     BenchReport,
@@ -334,3 +335,44 @@ def test_two_conversations_at_once_on_the_real_server_are_both_recovered(tmp_pat
     for run in (off, rec):
         assert not run.traceback_in_log, Path(run.log_path).read_text()[-3000:]
     assert not process._live
+
+
+class SlowFirstAnswer:
+    """A stand-in server that answers at once, except one conversation's first turn,
+    which it holds ``delay_s``."""
+
+    def __init__(self, slow_question: str, delay_s: float) -> None:
+        self.slow_question, self.delay_s = slow_question, delay_s
+
+    def client(self) -> SimpleNamespace:
+        def create(*, messages, **kw):
+            if messages[-1]["content"] == self.slow_question:
+                time.sleep(self.delay_s)
+            usage = SimpleNamespace(prompt_tokens=1, completion_tokens=1,
+                                    prompt_tokens_details=SimpleNamespace(cached_tokens=0))
+            return iter([_chunk("x"), _chunk(usage=usage)])
+
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+
+
+@pytest.mark.parametrize("delay_s", [0.35, 1.6])
+def test_turns_the_other_arm_sent_together_reach_the_host_in_its_order_waiting_a_bounded_time(delay_s: float) -> None:
+    """The other arm sent B's turn 2 at 0.25 s and A's at 0.30 s. Here B's first answer is
+    slow, so A's turn 2 is due first: it waits for B's, as the host would otherwise serve
+    them in the other order (on the real server the turn sent second took 1.4-1.9x as
+    long). A conversation that is much slower here holds it back 1 s at most."""
+    session = _tiny_concurrent(conversations=2, turns=2)
+    index = {(s.conversation, s.turn): i for i, s in enumerate(session.steps)}
+    not_before: list[float | None] = [0.0] * len(session.steps)
+    not_before[index[("B", 2)]] = 0.25
+    not_before[index[("A", 2)]] = 0.30
+    slow = session.steps[index[("B", 1)]].messages[-1]["content"]
+    run = ArmRun("sparse_recovery")
+    serve_concurrently(session, make_client=SlowFirstAnswer(slow, delay_s).client, model="m", max_tokens=1,
+                       absent_cached_is_zero=False, read_status=None, progress=lambda line: None, tag="t", run=run,
+                       not_before=not_before)
+    sent = {(r.conversation, r.turn): r.sent_s for r in run.steps}
+    if delay_s < 0.5:
+        assert sent[("B", 2)] >= delay_s and sent[("A", 2)] >= sent[("B", 2)]
+    else:
+        assert 0.3 + ORDER_WAIT_S - 0.01 <= sent[("A", 2)] < sent[("B", 2)]

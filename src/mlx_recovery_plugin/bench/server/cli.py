@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="concurrent session: own (every arm sends each next turn the think time after its own "
                    "answer; default) or sparse-on (the recovery arm also waits until sparse on sent that turn, "
                    "sparse on served first in every pair: both arms see the same arrivals wherever recovery "
-                   "was not slower, and the report gives the worst of those turns)")
+                   "was not slower, turns sparse on sent within 0.5 s of each other go in its order, and the "
+                   "report gives the worst of those turns)")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="tokens of each conversation's long first user message, in the target's tokens (default 8500)")
     p.add_argument("--tool-tokens", type=int, default=None,

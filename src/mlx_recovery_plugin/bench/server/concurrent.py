@@ -5,7 +5,9 @@ turn ``think_s`` after its previous answer, in every arm (sparse off and sparse 
 what overlaps, and so what queues behind what, is part of what is measured). Given
 ``not_before`` (another arm's send times), a turn also waits until the other arm sent it:
 with a faster answer before it, it arrives when it arrived there, so both arms see the
-same arrivals wherever this one was not slower (``--arrivals sparse-on``). Records land
+same arrivals wherever this one was not slower (``--arrivals sparse-on``), and turns the
+other arm sent within ``ORDER_WINDOW_S`` of each other are sent in its order (each waits
+at most ``ORDER_WAIT_S`` for those before it). Records land
 in the session's step order, whatever order the answers came in, so the arms compare
 step by step. A turn's sparse route cannot be told from the log when several run at once;
 the arm's total of sparse requests is counted instead.
@@ -26,6 +28,14 @@ from .client import send_turn
 from .report import ArmRun, StepRecord, status_figures
 from .sessions import Session, Step
 
+# Two turns due together reach the host in whichever order their threads send them, and
+# the host serves them in that order: on the real server a turn sent 0.1 s after the other
+# arm's order took 1.4-1.9x as long while the queue's sum was the same. Turns the other
+# arm sent this close keep its order; a turn waits this long at most for those before it
+# (a conversation this arm serves more slowly does not hold the others back).
+ORDER_WINDOW_S = 0.5
+ORDER_WAIT_S = 1.0
+
 Progress = Callable[[str], None]
 ReadStatus = Callable[[], dict[str, Any]]
 
@@ -45,6 +55,8 @@ def serve_concurrently(
     for index, step in enumerate(session.steps):
         by_conversation.setdefault(step.conversation, []).append((index, step))
     slots: list[StepRecord | None] = [None] * len(session.steps)
+    sent_here = [threading.Event() for _ in session.steps]
+    before = _sent_before(session.steps, not_before)
     errors: list[BaseException] = []
     failed = threading.Event()
     started = time.monotonic()
@@ -59,7 +71,12 @@ def serve_concurrently(
                     wake = max(wake, started + other)
                 if failed.wait(max(0.0, wake - time.monotonic())):
                     return
+                for earlier in before[index]:
+                    sent_here[earlier].wait(max(0.0, wake + ORDER_WAIT_S - time.monotonic()))
+                if failed.is_set():
+                    return
                 sent = time.monotonic() - started
+                sent_here[index].set()
                 measure = send_turn(client, model, list(step.messages), max_tokens=max_tokens,
                                     absent_cached_is_zero=absent_cached_is_zero)
                 done = time.monotonic() - started
@@ -92,3 +109,19 @@ def serve_concurrently(
         raise RuntimeError(f"{tag}: {len(session.steps) - len(run.steps)} step(s) were not served")
     if read_status is not None:
         run.final_status = status_figures(read_status())
+
+
+def _sent_before(steps: Sequence[Step], not_before: Sequence[float | None] | None) -> list[list[int]]:
+    """Per step, the other conversations' steps the other arm sent at most
+    ``ORDER_WINDOW_S`` before it (none without ``not_before``)."""
+    before: list[list[int]] = [[] for _ in steps]
+    if not_before is None:
+        return before
+    for i, at in enumerate(not_before):
+        if at is None:
+            continue
+        for j, other in enumerate(not_before):
+            if (other is not None and steps[j].conversation != steps[i].conversation
+                    and (other, j) < (at, i) and at - other <= ORDER_WINDOW_S):
+                before[i].append(j)
+    return before
