@@ -510,9 +510,9 @@ def _door_turn(tokens: int, seconds: float, door_s: float, request_id: str) -> A
 def test_the_doors_rereading_of_a_prompt_is_learned_from_the_hosts_reruns_and_weighed() -> None:
     """oMLX's draft keeps its reading of a conversation, but re-scoring still costs: on the
     real server a first turn's 8,594 tokens took 3.4 s at the door and the next turn's
-    11,278 (8,448 read before) 2.2 s, so a token read before cost ~1/3 of a new one.
-    Counted as free, the rerun looked ~1.5 s cheaper than it was and held back a
-    publication that pays."""
+    2,830 new tokens on 8,448 read before 2.2 s, twice their cost at the first turn's
+    rate. Counted as free, the re-reading made the rerun look ~1.5 s cheaper than it was
+    and held back a publication that pays."""
     from mlx_recovery_plugin.recovery.jobs import RecoveryJob
 
     counters = Counters()
@@ -524,17 +524,17 @@ def test_the_doors_rereading_of_a_prompt_is_learned_from_the_hosts_reruns_and_we
         counters.advance(5.0, others=0.0)
         judge.observe(context, 1024, 1024 * (1.4e-3 + 5e-8 * (context + 512)))
     job = RecoveryJob(1, tuple(range(11278)), 11278)
-    assert judge.status()["door_reread_share"] == 0.0  # nothing measured: counted as free
+    assert judge.status()["door_growth_per_1k_read"] == 0.0  # nothing measured: counted as free
     # The conversation came back sparse (held): its door re-read 8,448 tokens.
     judge.note_route(job, _door_turn(11278, 6.0, 2.2, "a2"), appended=2684, now=1.0)
-    share = judge.status()["door_reread_share"]
-    assert share == pytest.approx((2.2 - 3.4 / 8594 * 2684) / 3.4, abs=0.01)  # ~0.34
-    assert judge.status()["door_reread_measured"] == 1
+    growth = judge.status()["door_growth_per_1k_read"]
+    assert growth == pytest.approx(1000 * (2.2 / (3.4 / 8594 * 2684) - 1) / 8594, abs=0.001)  # ~0.12
+    assert judge.status()["door_growth_measured"] == 1
     decision = judge.judge(job, 11264)
     assert decision.verdict is Verdict.PUBLISH, decision.reason
-    # The same judge with the share forgotten (the re-reading counted as free) holds back.
-    from mlx_recovery_plugin.recovery.door_reading import DoorReread
+    # The same judge with the growth forgotten (the re-reading counted as free) holds back.
+    from mlx_recovery_plugin.recovery.door_reading import DoorGrowth
 
-    judge._reread = DoorReread()
+    judge._door = DoorGrowth()
     held = judge.judge(job, 11264)
     assert held.verdict is Verdict.HOLD and "not yet clear" in held.reason, held.reason

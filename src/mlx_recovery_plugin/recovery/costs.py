@@ -106,20 +106,20 @@ class SparseSample:
     door_s: float | None = None  # of ``seconds``, the host's scoring at its door (see SparseRouteServed)
     request_id: str | None = None  # the host's request: one turn reported by two hooks is one sample
 
-    def as_rerun(self, appended: int, fresh_rate: float | None = None, reread: float = 0.0) -> SparseSample:
+    def as_rerun(self, appended: int, fresh_rate: float | None = None, growth: float = 0.0) -> SparseSample:
         """What the same turn would cost as a rerun that grew by ``appended`` tokens on a
         host that keeps its door's reading of the prompt (oMLX's draft cache): the door's
-        time for the new tokens at ``fresh_rate`` seconds each (default: this turn's door
-        per token) and for the tokens it read before at ``reread`` of that (see
-        :mod:`.door_reading`). With ``reread`` 0, a lower bound of the rerun, so it may
+        time for the new tokens, each at ``fresh_rate`` seconds (default: this turn's door
+        per token) raised by ``growth`` of that per token read before (see
+        :mod:`.door_reading`). With ``growth`` 0, a lower bound of the rerun, so it may
         only ever hold a publication back."""
         if not self.door_s or self.tokens <= 0:
             return self
         door = min(self.door_s, self.seconds)
         if fresh_rate:
-            again = rerun_door_seconds(fresh_rate, appended, self.tokens, reread)
+            again = rerun_door_seconds(fresh_rate, appended, self.tokens, growth)
         else:  # this turn's own rate, at most its whole door for the new tokens
-            again = rerun_door_seconds(door / self.tokens, min(appended, self.tokens), self.tokens, reread)
+            again = rerun_door_seconds(door / self.tokens, min(appended, self.tokens), self.tokens, growth)
         return SparseSample(self.tokens, self.seconds - door + again, self.others_share,
                             request_id=self.request_id)
 

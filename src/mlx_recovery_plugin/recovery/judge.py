@@ -34,7 +34,7 @@ from .costs import (
     decide,
     sparse_rerun_seconds,
 )
-from .door_reading import DoorReread, reread_share
+from .door_reading import DoorGrowth, door_growth
 from .host_probe import HostCostProbe
 from .jobs import RecoveryJob
 from .machine_load import MachineLoad, Regime
@@ -89,13 +89,13 @@ class RouteMemory:
             recent = recent[:-1]
         self.recent[regime] = (*recent[-(RECENT_SPARSE - 1):], sample)
 
-    def cheapest(self, regime: Regime, appended: int, reread: float = 0.0) -> SparseSample | None:
+    def cheapest(self, regime: Regime, appended: int, door_growth: float = 0.0) -> SparseSample | None:
         """Of the recent sparse turns in ``regime``, each as a rerun that grew by
-        ``appended`` tokens whose door re-reads a token at ``reread`` of a new one's cost
-        (:meth:`SparseSample.as_rerun`), the one cheapest per token among those within
-        ``NOISE_SPAN`` of the latest (older, much cheaper turns are a route that has since
-        changed)."""
-        samples = [x.as_rerun(appended, self.fresh_door_rate, reread) for x in self.recent.get(regime, ())]
+        ``appended`` tokens, whose door time per new token grows by ``door_growth`` per
+        token read before (:meth:`SparseSample.as_rerun`), the one cheapest per token
+        among those within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a
+        route that has since changed)."""
+        samples = [x.as_rerun(appended, self.fresh_door_rate, door_growth) for x in self.recent.get(regime, ())]
         if not samples:
             return None
 
@@ -131,7 +131,7 @@ class PublishJudge:
         self._host_turns = 0
         self._host_append = HostAppendFactor()
         self._probe = HostCostProbe(clock)
-        self._reread = DoorReread()
+        self._door = DoorGrowth()
         self._sparse_updates = 0
         self._last_turn: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
@@ -163,8 +163,9 @@ class PublishJudge:
                 self._status = self._build_status()
 
     def _note_door(self, route: RouteMemory, event: SparseRouteServed, appended: int | None) -> None:
-        """A sparse turn's door time: the conversation's rate per new token at its first,
-        what a token read before cost at the later ones (:mod:`.door_reading`)."""
+        """A sparse turn's door time: the conversation's rate per token at its first, how
+        a new token's cost grew with the tokens read before at the later ones
+        (:mod:`.door_reading`)."""
         tokens = len(event.tokens) - event.served_start
         if not event.door_s or event.door_s <= 0 or tokens <= 0:
             return
@@ -173,7 +174,7 @@ class PublishJudge:
                 route.fresh_door_rate = event.door_s / tokens
             return
         if appended:
-            self._reread.observe(reread_share(route.fresh_door_rate, event.door_s, tokens, appended))
+            self._door.observe(door_growth(route.fresh_door_rate, event.door_s, tokens, appended))
 
     def next_append(self, route: RouteMemory) -> int:
         """How much ``route``'s conversation is expected to grow at its next turn: as it
@@ -273,7 +274,7 @@ class PublishJudge:
                 threshold=route.threshold,
                 keep=keep,
                 measured=self._sparse_sample(route, keep),
-                cheapest=route.cheapest(self.regime, appended, self._reread.value),
+                cheapest=route.cheapest(self.regime, appended, self._door.value),
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
@@ -349,10 +350,11 @@ class PublishJudge:
                 "host_probe": self._probe.status(),
                 # What a conversation that has not grown yet is expected to grow by.
                 "new_conversation_append": self.next_append(RouteMemory()),
-                # What a token the host's door read before costs there, as a share of a
-                # new one, and how many sparse reruns measured it (0: counted as free).
-                "door_reread_share": round(self._reread.value, 4),
-                "door_reread_measured": self._reread.measured,
+                # How much a new token's door time grows per 1,000 tokens the door read
+                # before (a share of a first turn's rate), and how many sparse reruns
+                # measured it (0: the re-reading counted as free).
+                "door_growth_per_1k_read": round(1000 * self._door.value, 4),
+                "door_growth_measured": self._door.measured,
                 "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
