@@ -500,6 +500,18 @@ def test_a_conversation_that_has_not_grown_yet_is_judged_at_the_growth_the_other
     assert judge.judge(second, 8704).verdict is Verdict.PUBLISH
 
 
+def test_a_published_conversations_dense_turns_tell_the_growth_and_a_new_one_sharing_a_system_prompt_does_not() -> None:
+    """A conversation published at its first gap goes on with dense turns, which the host
+    reports with no sparse route: their growth (the uncached part over the restored
+    prefix) is what the next conversation should be judged at. A new conversation whose
+    only cached tokens are a shared system prompt has grown by nothing."""
+    judge = PublishJudge(PublishPolicy.AUTO, 256)
+    judge.observe_turn(None, RequestPrefilled("e", "s", "m", tuple(range(4000)), 1024, Route.DENSE, 2.0))
+    assert judge.status()["new_conversation_append"] == 512
+    judge.observe_turn(None, RequestPrefilled("e", "a2", "m", tuple(range(11579)), 8704, Route.DENSE, 6.0))
+    assert judge.status()["new_conversation_append"] == 2875
+
+
 def _door_turn(tokens: int, seconds: float, door_s: float, request_id: str) -> Any:
     from mlx_recovery_plugin.events import SparseRouteServed
 

@@ -178,8 +178,9 @@ class PublishJudge:
 
     def next_append(self, route: RouteMemory) -> int:
         """How much ``route``'s conversation is expected to grow at its next turn: as it
-        did at its last; before it has grown, the upper quartile of what the server's other
-        conversations grew by (see ``SEEN_APPENDS``); before any has, ``DEFAULT_APPEND_TOKENS``."""
+        did at its last; before it has grown, the upper quartile of what the server's
+        conversations grew by at their sparse turns and their dense turns over a cached
+        prefix (see ``SEEN_APPENDS``); before any has, ``DEFAULT_APPEND_TOKENS``."""
         if route.last_append:
             return route.last_append
         if not self._appends:
@@ -211,6 +212,11 @@ class PublishJudge:
         costs here, and, after a publication, the check of what the policy expected."""
         uncached = len(event.tokens) - event.cached_tokens
         regime = self._look()
+        if event.route is Route.DENSE and 0 < uncached <= event.cached_tokens:
+            # A conversation going on over its cached prefix (a new one sharing only a
+            # system prompt has more new than cached): its growth, up to a block's tail.
+            # A published conversation's turns are dense, and their growth counts too.
+            self._appends.append(uncached)
         if event.route is Route.DENSE and event.cached_tokens > 0 and uncached > 0:
             model = self._models[regime]
             # Against the prediction before this turn's own sample is in the model.
