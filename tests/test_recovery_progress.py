@@ -357,9 +357,11 @@ def test_past_the_byte_limit_blocks_spill_only_where_the_whole_prefix_is_expecte
     only cost the sparse turn (its draft misses) for nothing: the job stands down and the
     host's route is left alone."""
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, max_held_mib=0.0)
+    # Short new conversations over a shared cached part (more new than cached): dense
+    # cost evidence, but no conversation's growth, so the next turn is judged at 512.
     for seed, cached in enumerate((0, 200, 500)):
-        rig.prefilled(random_tokens(40 + seed, cached + 200), cached=cached, route=Route.DENSE,
-                      seconds=1.3 * 200 * A)
+        rig.prefilled(random_tokens(40 + seed, cached + 600), cached=cached, route=Route.DENSE,
+                      seconds=1.3 * 600 * A)
     prompt = random_tokens(44, PROMPT)
     rig.served(prompt, threshold=1000, prefill_s=sparse_s)
     rig.engine.offer_idle_step()
