@@ -89,13 +89,13 @@ class RouteMemory:
             recent = recent[:-1]
         self.recent[regime] = (*recent[-(RECENT_SPARSE - 1):], sample)
 
-    def cheapest(self, regime: Regime, appended: int, door_growth: float = 0.0) -> SparseSample | None:
+    def cheapest(self, regime: Regime, appended: int, growth: float = 0.0) -> SparseSample | None:
         """Of the recent sparse turns in ``regime``, each as a rerun that grew by
-        ``appended`` tokens, whose door time per new token grows by ``door_growth`` per
-        token read before (:meth:`SparseSample.as_rerun`), the one cheapest per token
-        among those within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a
-        route that has since changed)."""
-        samples = [x.as_rerun(appended, self.fresh_door_rate, door_growth) for x in self.recent.get(regime, ())]
+        ``appended`` tokens, whose door time per new token grows by ``growth`` per token
+        read before (:meth:`SparseSample.as_rerun`), the one cheapest per token among
+        those within ``NOISE_SPAN`` of the latest (older, much cheaper turns are a route
+        that has since changed)."""
+        samples = [x.as_rerun(appended, self.fresh_door_rate, growth) for x in self.recent.get(regime, ())]
         if not samples:
             return None
 
@@ -212,12 +212,12 @@ class PublishJudge:
         costs here, and, after a publication, the check of what the policy expected."""
         uncached = len(event.tokens) - event.cached_tokens
         regime = self._look()
-        if event.route is Route.DENSE and 0 < uncached <= event.cached_tokens:
-            # A conversation going on over its cached prefix (a new one sharing only a
-            # system prompt has more new than cached): its growth, up to a block's tail.
-            # A published conversation's turns are dense, and their growth counts too.
-            self._appends.append(uncached)
         if event.route is Route.DENSE and event.cached_tokens > 0 and uncached > 0:
+            if uncached <= event.cached_tokens:
+                # A conversation going on over its cached prefix (a new one sharing only
+                # a system prompt has more new than cached): its growth, up to a block's
+                # tail. A published conversation's turns are dense; their growth counts too.
+                self._appends.append(uncached)
             model = self._models[regime]
             # Against the prediction before this turn's own sample is in the model.
             self._host_append.observe(model.seconds(uncached, event.cached_tokens), event.prefill_s)
