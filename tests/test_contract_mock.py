@@ -31,6 +31,7 @@ class MockContractHost:
     supports_fail_all = True
     supports_threads = True
     serves_sparse_one_at_a_time = True
+    tells_of_lookups = True
 
     def __init__(self, model_dir: Path, draft_dir: Path, cache_kind: str = "paged") -> None:
         self.host = MockHost(make_plugin_manager(entry_points_too=False))

@@ -21,7 +21,9 @@ from mlx_recovery_plugin.testing.host import MockHost
 HOST_RESTORES_NOTHING = Refusal.HOST_RESTORES_NOTHING.value
 B = 64
 MODEL = "tiny"
-SETTINGS = RecoverySettings(budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}})
+# Publication's mechanics, not the policy: every finished slice is published at once
+# (the default policy would hold a prefix until its conversation returns).
+SETTINGS = RecoverySettings(budget_pct=50.0, idle_steps=2, models={MODEL: {"enabled": True}}, publish_policy="always")
 
 
 class BlindReadBack:

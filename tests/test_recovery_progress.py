@@ -201,8 +201,14 @@ def test_held_blocks_survive_a_foreground_request(rigs) -> None:
     rig.host.run_until_idle()
     assert rig.host.result(rid).output_tokens
     rig.idle(until=rig.clock() + 100.0)
-    assert rig.restorable(prompt) == 960
     assert rig.runners[0].begun == [0, 320], "the job went on from its held blocks"
+    # The host told of that request before its lookup: the whole prefix now waits, held,
+    # for its conversation's return, and is published then (tests/test_arrival_publication.py).
+    (job,) = rig.status()["jobs"]
+    assert job["committed"] == 0 and job["held_tokens"] == 960
+    nxt = rig.host.submit("e", [*prompt, *random_tokens(16, 40)], max_tokens=2)
+    rig.host.run_until_idle()
+    assert rig.host.result(nxt).cached_tokens == 960
 
 
 def test_held_blocks_are_given_back_when_recovery_is_switched_off(rigs) -> None:
@@ -640,3 +646,83 @@ def test_a_probe_that_lapsed_lets_a_paused_conversation_be_tried_at_its_next_tur
     assert rig.restorable(y_next) == 1088, status["policy"]
     assert "to measure the host" in status["policy"]["reason"]
     assert status["policy"]["host_probe"]["taken"] == 2
+
+
+# -- publication at the conversation's return -----------------------------------------
+
+# The host's sparse threshold here: a 1,000-token conversation that grows by more than
+# 500 goes back to the sparse route unless its prefix is restored.
+RETURN_THRESHOLD = 1500
+
+
+def held_for_return(rigs) -> tuple[Rig, list[int]]:
+    """A conversation served sparsely (6.6 s), then recovered whole in idle time, on a host
+    that has told of a request before its lookup (an unrelated short one)."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, threshold=RETURN_THRESHOLD)
+    other = rig.host.submit("e", random_tokens(15, 50), max_tokens=2)
+    rig.host.run_until_idle()
+    assert rig.host.result(other).route == "dense"
+    prompt = random_tokens(13, PROMPT)
+    rig.served(prompt, threshold=RETURN_THRESHOLD, prefill_s=6.6)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["policy"]["publishes_at_arrival"] is True
+    (job,) = status["jobs"]
+    assert (job["committed"], job["held_tokens"]) == (0, 960), "held whole, nothing published yet"
+    assert rig.restorable(prompt) == 0 and status["live_job_id"] is None
+    return rig, prompt
+
+
+def test_a_held_prefix_is_published_when_its_conversation_returns_with_a_short_turn(rigs) -> None:
+    """At a 10 ms token the 50 new tokens cost ~0.6 s densely against a ~7 s sparse rerun:
+    published at the arrival, before the host's lookup, which restores all of it."""
+    rig, prompt = held_for_return(rigs)
+    nxt = rig.host.submit("e", [*prompt, *random_tokens(17, 50)], max_tokens=2, sparse=True)
+    rig.host.run_until_idle()
+    result = rig.host.result(nxt)
+    assert (result.cached_tokens, result.route) == (960, "dense")
+    counters = rig.status()["counters"]
+    assert counters["arrival_publications"] == 1 and counters["tokens_recovered"] == 960
+    assert rig.status()["jobs"] == []
+
+
+def test_a_held_prefix_stays_unpublished_when_its_conversation_returns_with_a_long_turn(rigs) -> None:
+    """1,400 new tokens would cost ~17 s densely over the prefix, more than the ~16 s sparse
+    rerun of the whole prompt: the prefix a guess of the growth would have published at
+    the first gap (512 tokens, ~6 s) stays held, and the turn keeps its sparse route."""
+    rig, prompt = held_for_return(rigs)
+    longer = [*prompt, *random_tokens(18, 1400)]
+    nxt = rig.host.submit("e", longer, max_tokens=2, sparse=True)
+    rig.host.run_until_idle()
+    result = rig.host.result(nxt)
+    assert (result.cached_tokens, result.route) == (0, "sparse")
+    status = rig.status()
+    assert status["counters"]["arrival_publications"] == 0 and status["counters"]["tokens_recovered"] == 0
+    assert status["policy"]["verdict"] == "hold"
+    (job,) = status["jobs"]
+    assert job["held_tokens"] == 960 and job["tokens"] == len(longer), "the held blocks go on with the conversation"
+
+
+def test_the_prompt_is_not_asked_for_while_nothing_is_held(rigs) -> None:
+    """A host tokenizes a text prompt at its door only for a plugin that asks."""
+    from mlx_recovery_plugin.events import LookupDue
+
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    asked: list[str] = []
+
+    def prompt_tokens() -> tuple[int, ...]:
+        asked.append("asked")
+        return ()
+
+    rig.plugin.prefix_lookup_due(event=LookupDue("e", "r1", MODEL, prompt_tokens))
+    assert asked == [] and rig.status()["policy"]["publishes_at_arrival"] is True
+
+
+def test_a_return_that_leaves_the_prompt_inside_its_last_block_restores_the_blocks_it_shares(rigs) -> None:
+    """A chat template may end a turn's prompt otherwise than the next turn goes on: the
+    held blocks up to where the two part are published, and the rest are not."""
+    rig, prompt = held_for_return(rigs)
+    nxt = rig.host.submit("e", [*prompt[:900], *random_tokens(19, 60)], max_tokens=2, sparse=True)
+    rig.host.run_until_idle()
+    assert rig.host.result(nxt).cached_tokens == 896
+    assert rig.status()["counters"]["arrival_publications"] == 1

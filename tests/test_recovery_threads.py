@@ -19,7 +19,9 @@ from mlx_recovery_plugin.testing.host import MockHost
 
 B = 64
 MODEL = "tiny"
-SETTINGS = RecoverySettings(budget_pct=100.0, idle_steps=2, models={MODEL: {"enabled": True}})
+# Publication's mechanics, not the policy: every finished slice is published at once
+# (the default policy would hold a prefix until its conversation returns).
+SETTINGS = RecoverySettings(budget_pct=100.0, idle_steps=2, models={MODEL: {"enabled": True}}, publish_policy="always")
 WAIT_S = 60.0  # generous bound on waits for another thread; never a timing assertion
 
 

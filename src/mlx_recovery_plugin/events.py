@@ -7,6 +7,7 @@ plugin never holds a reference into the host's scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -27,6 +28,22 @@ class RequestArrived:
     request_id: str
     model_id: str
     prompt_tokens: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class LookupDue:
+    """The host is about to look ``request_id``'s prompt up in its prefix cache.
+
+    ``prompt_tokens`` gives the prompt's token ids when called: a host that tokenizes at
+    this door (oMLX's ``Scheduler.add_request`` takes a chat template's text) tokenizes
+    it only for a plugin that asks, so the hook stays cheap for every other request. It
+    may raise (the plugin manager then logs it); call it at most once.
+    """
+
+    engine_id: str
+    request_id: str
+    model_id: str
+    prompt_tokens: Callable[[], tuple[int, ...]] = field(compare=False, repr=False)
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,6 +24,7 @@ import pluggy
 from .events import (
     AdoptionDecision,
     IdleStep,
+    LookupDue,
     PrefixLookup,
     RequestAdmitted,
     RequestArrived,
@@ -56,6 +57,19 @@ def request_arrived(event: RequestArrived) -> None:
     Thread: any thread (the host's request thread). From this moment the process has
     foreground work: plugins must not start background work until the request departs.
     Must be cheap: it runs on every request, even with recovery off.
+    """
+
+
+@hookspec
+def prefix_lookup_due(event: LookupDue) -> None:
+    """The host is about to look the request's prompt up in its prefix cache: what is
+    stored now is what the request restores.
+
+    Thread: the engine thread, serialized with ``step()`` and the idle hook, before the
+    host's lookup (oMLX's and rapid-mlx's ``Scheduler.add_request``). A plugin may store
+    prefix state now, through the engine's port; the request waits for it, so only work
+    that the request itself gains from belongs here. Must be cheap otherwise: it runs on
+    every request. A host that cannot call it at that moment does not call it at all.
     """
 
 

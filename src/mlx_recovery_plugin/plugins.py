@@ -30,6 +30,7 @@ from . import hookspecs
 from .events import (
     AdoptionDecision,
     IdleStep,
+    LookupDue,
     PrefixLookup,
     RequestAdmitted,
     RequestArrived,
@@ -171,6 +172,9 @@ class HookEmitter:
 
     def request_arrived(self, event: RequestArrived) -> None:
         self.emit("request_arrived", event=event)
+
+    def prefix_lookup_due(self, event: LookupDue) -> None:
+        self.emit("prefix_lookup_due", event=event)
 
     def request_admitted(self, event: RequestAdmitted) -> None:
         self.emit("request_admitted", event=event)

@@ -177,14 +177,16 @@ def arrive_at_random(plugin: RecoveryPlugin, rng: random.Random) -> None:
 
 
 def arrive_after_recovery(plugin: RecoveryPlugin, rng: random.Random) -> None:
-    """Return once recovery is over (no job, no live state): a probe sent then meets no slice."""
+    """Return once recovery is over (no live state, and every job's prefix published or
+    held whole for its conversation's return): a probe sent then meets no slice."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        status = plugin.status()
-        if status["process"]["jobs"] == 0 and all(e["live_job_id"] is None for e in status["engines"].values()):
+        engines = plugin.status()["engines"].values()
+        ready = all(j["committed"] + j["held_tokens"] >= j["publish_end"] for e in engines for j in e["jobs"])
+        if ready and all(e["live_job_id"] is None for e in engines):
             return
         time.sleep(0.005)
-    raise TimeoutError("recovery did not finish within 60 s")
+    raise TimeoutError(f"recovery did not finish within 60 s: {plugin.status()['engines']}")
 
 
 def run_trial(

@@ -108,7 +108,6 @@ class ArmSession:
         self._previous: tuple[int, ...] = ()
 
     def serve(self, turn: Turn) -> TurnResult:
-        debt = self._debt(self._previous)
         rid = self.host.submit(
             ENGINE_ID,
             turn.prompt,
@@ -117,6 +116,9 @@ class ArmSession:
         )
         self.host.run_until_idle()
         got = self.host.result(rid)
+        # After the turn: recovery may publish at the turn's arrival, before its lookup.
+        debt = self._debt(self._previous)
+        self._note_recovered()
         row = TurnResult(
             turn=turn.index,
             prompt_tokens=len(turn.prompt),
@@ -144,6 +146,9 @@ class ArmSession:
                 break
             self.clock.advance(min(delays))
         self.result.recovery_seconds += time.perf_counter() - started
+        self._note_recovered()
+
+    def _note_recovered(self) -> None:
         if self.plugin is not None:
             totals = self.plugin.status()["process"]
             self.result.recovered_tokens = int(totals.get("tokens_recovered", 0))

@@ -175,7 +175,6 @@ class OmlxArm:
         self._previous: tuple[int, ...] = ()
 
     def serve(self, prompt: Sequence[int], turn: int) -> ServedTurn:
-        debt = len(self._previous) - stored_prefix(self.scheduler, self._previous) if self._previous else 0
         request = make_request(
             f"{self.arm}-{turn}",
             prompt,
@@ -185,7 +184,11 @@ class OmlxArm:
             keep_pct=self.config.sparse_keep,
             member=self.member,
         )
-        served = serve(self.scheduler, request, turn=turn, debt=debt)
+        served = serve(self.scheduler, request, turn=turn)
+        # After the turn: recovery may publish at the turn's arrival, before its lookup.
+        if self._previous:
+            served.row.debt_tokens = len(self._previous) - stored_prefix(self.scheduler, self._previous)
+        self._note_recovered()
         self.result.turns.append(served.row)
         self.outputs.append(served.output_tokens)
         self._previous = tuple(prompt)
@@ -207,6 +210,9 @@ class OmlxArm:
                 break
             self.clock.advance(wait)
         self.result.recovery_seconds += time.perf_counter() - started
+        self._note_recovered()
+
+    def _note_recovered(self) -> None:
         if self.plugin is not None:
             totals = self.plugin.status()["process"]
             self.result.recovered_tokens = int(totals.get("tokens_recovered", 0))

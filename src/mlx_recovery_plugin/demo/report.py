@@ -22,7 +22,9 @@ class TurnResult:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
-    debt_tokens: int  # served tokens of the previous prompt the host holds no reusable state for
+    # Served tokens of the previous prompt the host held no reusable state for once this
+    # turn was looked up (read after it: recovery may publish at the turn's arrival).
+    debt_tokens: int
     route: str
     output_tokens: list[int] = field(default_factory=list)  # the greedy answer
     answer: str = ""  # the answer as text

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..events import DepartureReason, RequestArrived, RequestDeparted, RequestPrefilled
+from ..events import DepartureReason, LookupDue, RequestArrived, RequestDeparted, RequestPrefilled
 from .prefill_shares import PrefillShares
 
 if TYPE_CHECKING:
@@ -245,6 +245,14 @@ class EngineBook:
         )
         return True
 
+    def lookup_due(self, record: EngineRecord, request_id: str, prompt_tokens: Callable[[], tuple[int, ...]]) -> None:
+        """The host's scheduler is about to look ``request_id``'s prompt up in its prefix
+        cache (engine thread)."""
+        self.emitter.prefix_lookup_due(
+            LookupDue(engine_id=record.engine_id, request_id=request_id, model_id=record.port.model_id,
+                      prompt_tokens=prompt_tokens),
+        )
+
     def note_door(self, record: EngineRecord, request_id: str, seconds: float) -> None:
         """The host's scheduler spent ``seconds`` taking ``request_id`` in."""
         now = self._clock()
@@ -318,6 +326,26 @@ class EngineBook:
 def tokens_of_request(request: Any) -> tuple[int, ...]:
     ids = getattr(request, "prompt_token_ids", None)
     return tokens_of_prompt(getattr(request, "prompt", None) if ids is None else ids)
+
+
+def door_tokens(scheduler: Any, request: Any) -> Callable[[], tuple[int, ...]]:
+    """The request's prompt tokens, for a plugin that asks at the host's door: its ids
+    when it has them, else its text through the scheduler's own tokenizer, as the host's
+    ``add_request`` itself is about to tokenize it (once per call; nothing is written to
+    the request)."""
+
+    def tokens() -> tuple[int, ...]:
+        ids = getattr(request, "prompt_token_ids", None)
+        if ids is not None:
+            return tuple(ids)
+        prompt = getattr(request, "prompt", None)
+        if isinstance(prompt, str):
+            # rapid-mlx tokenizes through its own helper; oMLX through its tokenizer.
+            encode = getattr(scheduler, "_encode_prompt_string", None) or scheduler.tokenizer.encode
+            return tuple(encode(prompt))
+        return tokens_of_prompt(prompt)
+
+    return tokens
 
 
 def tokens_of_prompt(prompt: Any) -> tuple[int, ...]:

@@ -132,6 +132,7 @@ class PublishJudge:
         self._host_append = HostAppendFactor()
         self._probe = HostCostProbe(clock)
         self._door = DoorGrowth()
+        self._lookups_seen = False
         self._sparse_updates = 0
         self._last_turn: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
@@ -264,18 +265,33 @@ class PublishJudge:
         remaining = max(1, full - job.frontier(self.block_size))
         return max(0.0, sparse - dense) * back / remaining
 
-    def judge(self, job: RecoveryJob, boundary: int) -> Decision:
-        """What to do with ``job``'s finished blocks up to ``boundary``."""
+    @property
+    def waits_for_arrival(self) -> bool:
+        """Publications wait for the conversation's next request: the host has shown that
+        it tells of each request before its prefix lookup (``prefix_lookup_due``), where
+        the request's real length is known, and the policy judges."""
+        return self.policy is PublishPolicy.AUTO and self._lookups_seen
+
+    def note_lookup(self) -> None:
+        """The host told of a request before its prefix lookup."""
+        if not self._lookups_seen:
+            self._lookups_seen = True
+            self._status = self._build_status()
+
+    def judge(self, job: RecoveryJob, boundary: int, next_tokens: int | None = None) -> Decision:
+        """What to do with ``job``'s finished blocks up to ``boundary``; ``next_tokens``: the
+        length of the conversation's next prompt when it is known (it has arrived), else
+        it is expected (:meth:`next_append`)."""
         if self.policy is PublishPolicy.ALWAYS:
             decision = Decision(Verdict.PUBLISH, "policy: always")
         else:
             route = self._routes.get(job.job_id) or RouteMemory()
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
-            appended = self.next_append(route)
+            appended = self.next_append(route) if next_tokens is None else max(0, next_tokens - len(job.tokens))
             decision = decide(
                 self.costs,
                 boundary=boundary,
-                full_boundary=job.publish_end(self.block_size),
+                full_boundary=self._reachable(job, route, boundary, next_tokens),
                 next_tokens=len(job.tokens) + appended,
                 threshold=route.threshold,
                 keep=keep,
@@ -293,6 +309,17 @@ class PublishJudge:
             memory.predicted_dense_s = decision.dense_s
         self._status = self._build_status()
         return decision
+
+    def _reachable(self, job: RecoveryJob, route: RouteMemory, boundary: int, next_tokens: int | None) -> int:
+        """The longest prefix the next turn can find recovered: the job's whole prefix,
+        or, once the turn has arrived and will be dense over ``boundary``, ``boundary``
+        (nothing more is run before it). Under a turn that stays sparse a partial prefix
+        stays a partial one: it would cost that turn its draft's reading."""
+        if next_tokens is None:
+            return job.publish_end(self.block_size)
+        if route.threshold is not None and next_tokens - boundary > route.threshold:
+            return job.publish_end(self.block_size)
+        return boundary
 
     def before_work(self, job: RecoveryJob) -> Decision | None:
         """The verdict on ``job``'s whole prefix, taken before more of it is run: a
@@ -354,6 +381,8 @@ class PublishJudge:
                 "host_append_measured": self._host_append.measured,
                 # The job published (or being run to be) to measure the host's factor.
                 "host_probe": self._probe.status(),
+                # Publications wait for the conversation's next request (its real length).
+                "publishes_at_arrival": self.waits_for_arrival,
                 # What a conversation that has not grown yet is expected to grow by.
                 "new_conversation_append": self.next_append(RouteMemory()),
                 # How much a new token's door time grows per 1,000 tokens the door read

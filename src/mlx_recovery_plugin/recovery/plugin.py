@@ -21,7 +21,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..events import IdleStep, RequestAdmitted, RequestArrived, RequestDeparted, RequestPrefilled, SparseRouteServed
+from ..events import (
+    IdleStep,
+    LookupDue,
+    RequestAdmitted,
+    RequestArrived,
+    RequestDeparted,
+    RequestPrefilled,
+    SparseRouteServed,
+)
 from ..hookspecs import hookimpl
 from ..ports import EnginePort
 from ..settings import RecoverySettings, env_name, load_settings
@@ -137,6 +145,11 @@ class RecoveryPlugin:
     @hookimpl
     def request_arrived(self, event: RequestArrived) -> None:
         self.registry.arrived(event.engine_id, event.request_id)
+
+    @hookimpl
+    def prefix_lookup_due(self, event: LookupDue) -> None:
+        self._to_engine(event.engine_id, event.model_id, "judging held blocks at an arrival",
+                        lambda service: service.lookup_due(event))
 
     @hookimpl
     def request_admitted(self, event: RequestAdmitted) -> None:

@@ -29,10 +29,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..events import RequestPrefilled, SparseRouteServed
+from ..events import LookupDue, RequestPrefilled, SparseRouteServed
 from ..ports import EnginePort
 from ..settings import RecoverySettings, env_name
 from ..state import BlockState
@@ -40,7 +41,7 @@ from .budget import Budget
 from .cancellation import Cancellation
 from .costs import Verdict
 from .host_refusal import HostRefusalWatch
-from .jobs import JobBook, RecoveryJob, Relation
+from .jobs import JobBook, RecoveryJob, Relation, common_prefix_len
 from .judge import PublishJudge
 from .ledger import ReleaseLedger
 from .live import LiveDense, RunnerFactory, Start, default_runner_factory
@@ -168,6 +169,47 @@ class EngineRecovery:
         with self._lock:
             job = self.book.conversation_of(event.tokens)
         self.judge.observe_turn(job, event)
+
+    def lookup_due(self, event: LookupDue) -> None:
+        """The host is about to look a request up in its prefix cache: blocks held for
+        the conversation it continues are judged on its real length, and published now
+        when they pay, so the lookup restores them (see ``waits_for_arrival``)."""
+        if self.closed:
+            return
+        self.judge.note_lookup()
+        with self._lock:
+            holding = [job for job in self.book if job.held]
+        if not holding:
+            return
+        tokens = event.prompt_tokens()
+        # The conversation the request goes on with: the holding job it shares the most
+        # with. The prompt may leave the job's tokens inside its last blocks (a chat
+        # template ends a turn's prompt otherwise than the next turn goes on): the
+        # blocks past where the two part cannot serve it.
+        shares = [(min(common_prefix_len(job.tokens, tokens), len(tokens) - 1), job) for job in holding]
+        shared, job = max(shares, key=lambda pair: pair[0])
+        with self._lock:
+            pending = job.pending_with([], self.block_size)
+        pending = [b for b in pending if (b.index + 1) * self.block_size <= shared]
+        if not pending:
+            return
+        boundary = (pending[-1].index + 1) * self.block_size
+        if not self._work.acquire(blocking=False):
+            return  # a cancellation is cleaning up
+        try:
+            decision = self.judge.judge(job, boundary, next_tokens=len(tokens))
+            if decision.verdict is not Verdict.PUBLISH:
+                return
+            with self._lock:
+                job.release_held()
+            began = time.perf_counter()  # the request's own wait, in real time
+            if self._publish(job, pending):
+                with self._lock:
+                    self.counters.arrival_publications += 1
+                    self.counters.arrival_publish_seconds += max(0.0, time.perf_counter() - began)
+                    self._complete_if_done_locked(job)
+        finally:
+            self._work.release()
 
     def foreground(self) -> None:
         """Foreground work reached this engine: give the live state's memory back now."""
@@ -394,7 +436,8 @@ class EngineRecovery:
             return False
         with self._lock:
             job.progressed()
-            finished = self._complete_if_done_locked(job) or job.stood_down is not None
+            # Held whole (for its conversation's return) is finished too: nothing more to run.
+            finished = self._complete_if_done_locked(job) or job.stood_down is not None or job.held_whole(self.block_size)
         if finished:
             self._retire_live()
         return True
@@ -437,6 +480,12 @@ class EngineRecovery:
             # draft's reading by the uncached part (oMLX: 256 published tokens, 4.4x), and
             # pays only by bringing a whole prefix that pays closer.
             spill = False
+        if decision.verdict is Verdict.PUBLISH and self.judge.waits_for_arrival and not too_much:
+            # The conversation's next request is judged on its real length instead.
+            with self._lock:
+                job.hold(pending, self.judge.evidence)
+                self.counters.slices_held += 1
+            return True
         if decision.verdict is Verdict.PUBLISH or spill:
             with self._lock:
                 job.release_held()
@@ -477,7 +526,10 @@ class EngineRecovery:
     def _publish_held_that_now_pays(self) -> None:
         """A whole prefix held "not yet clear" is not worked on again, so nothing else would
         judge it before its conversation returns: judge it again once the evidence has
-        grown (another job's slices, the host's own turns), and publish it if it pays."""
+        grown (another job's slices, the host's own turns), and publish it if it pays.
+        Where publications wait for the conversation's return, that is where it is judged."""
+        if self.judge.waits_for_arrival:
+            return
         with self._lock:
             waiting = [j for j in self.book if j.held_whole(self.block_size) and j.held_evidence < self.judge.evidence]
         for job in waiting:

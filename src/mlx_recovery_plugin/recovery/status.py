@@ -70,6 +70,10 @@ class EngineCounters:
     held_blocks_dropped: int = 0
     live_retired: int = 0
     ground_lost_tokens: int = 0
+    #: Publications taken at a request's arrival, before the host's lookup, and the
+    #: seconds they added to those requests.
+    arrival_publications: int = 0
+    arrival_publish_seconds: float = 0.0
     slice_seconds: float = 0.0
     slice_seconds_max: float = 0.0
     faults: dict[str, int] = field(default_factory=dict)

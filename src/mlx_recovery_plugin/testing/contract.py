@@ -55,6 +55,7 @@ FLAG_DEFAULTS: dict[str, bool] = {
     "supports_idle_steps": True,
     "supports_prefix_lookup": False,
     "serves_sparse_one_at_a_time": False,
+    "tells_of_lookups": False,
 }
 
 #: Why a check is skipped, by the flag it needs.
@@ -68,6 +69,7 @@ FLAG_REASONS: dict[str, str] = {
     "supports_idle_steps": "the host offers no idle steps (nothing runs in the background there)",
     "supports_prefix_lookup": "the host asks no prefix_lookup (no partial-prefix adopter on it)",
     "serves_sparse_one_at_a_time": "the host batches sparse prefills, so none waits behind another",
+    "tells_of_lookups": "the host calls no prefix_lookup_due (recovery publishes without waiting for a return)",
 }
 
 
@@ -178,6 +180,22 @@ class EventOrderTests(_ContractBase):
         assert tuple(served.tokens) == tuple(prompt)
         assert served.served_start == result.cached_tokens
         assert served.served_end == len(prompt)
+
+    def test_the_host_tells_of_each_lookup_after_arrival_and_before_admission(
+        self, contract_host: ContractHost, event_recorder: EventRecorder
+    ) -> None:
+        """What recovery publishes at that moment is what the request restores."""
+        host = contract_host
+        self.require(host, "tells_of_lookups")
+        prompt = self.prompt(host, 2.5, seed=13)
+        rid, _result = self.serve(host, prompt, max_tokens=2)
+        due = [(n, event, tokens) for n, event, tokens in event_recorder.lookups_due if event.request_id == rid]
+        assert len(due) == 1
+        before, event, tokens = due[0]
+        assert event.engine_id == host.engine.engine_id and event.model_id == host.engine.model_id
+        assert tokens == tuple(prompt)
+        seq = {e.hook: e.seq for e in event_recorder.events if e.request_id == rid}
+        assert seq["request_arrived"] < before <= seq["request_admitted"]
 
     def test_each_prefill_is_reported_once_with_its_route_cached_tokens_and_time(
         self, contract_host: ContractHost, event_recorder: EventRecorder

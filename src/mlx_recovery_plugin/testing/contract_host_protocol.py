@@ -48,7 +48,9 @@ class ContractHost(Protocol):
     ``supports_idle_steps`` (True: ``drive_idle`` offers ``engine_idle_step``),
     ``supports_prefix_lookup`` (False: a partial match the host cannot reuse asks the
     ``prefix_lookup`` hook), ``serves_sparse_one_at_a_time`` (False: the host prefills one
-    sparse request at a time, so a second one waits behind the first).
+    sparse request at a time, so a second one waits behind the first),
+    ``tells_of_lookups`` (False: the host calls ``prefix_lookup_due`` before it looks a
+    request up in its prefix cache).
     """
 
     supports_sparse_route: bool

@@ -41,6 +41,7 @@ import mlx.core as mx
 from ..events import (
     DepartureReason,
     IdleStep,
+    LookupDue,
     RequestAdmitted,
     RequestArrived,
     RequestDeparted,
@@ -477,6 +478,8 @@ class MockEngine:
                 return
 
     def _admit(self, req: EngineRequest) -> None:
+        prompt = tuple(req.prompt)
+        self._hooks.prefix_lookup_due(LookupDue(self.engine_id, req.request_id, self.model_id, lambda: prompt))
         # At least the last prompt token is always prefilled, for the first logits.
         prefix = self._prefix_cache.fetch(req.request_id, req.prompt[:-1])
         req.cached_tokens = prefix.tokens

@@ -138,6 +138,7 @@ class OmlxContractHost:
         self._threshold = sparse_threshold
         self._keep = sparse_keep
         self.supports_sparse_route = draft is not None
+        self.tells_of_lookups = True
         self.pm: pluggy.PluginManager = make_plugin_manager(
             list(plugins), settings=RecoverySettings(), entry_points_too=False
         )

@@ -66,6 +66,7 @@ class RapidContractHost:
     """:class:`ContractHost` over one instrumented rapid-mlx ``EngineCore``."""
 
     supports_sparse_route = True
+    tells_of_lookups = True
     supports_abort_all = False  # rapid-mlx has no abort-all of its own
     supports_fail_all = True  # a step that raises: rapid-mlx fails every running request
     supports_threads = True

@@ -16,6 +16,7 @@ import pluggy
 from ..events import (
     AdoptionDecision,
     IdleStep,
+    LookupDue,
     PrefixLookup,
     RequestAdmitted,
     RequestArrived,
@@ -58,6 +59,9 @@ class EventRecorder:
         self.prefills: list[RequestPrefilled] = []
         #: ``prefix_lookup`` calls, kept apart too (the recorder never decides one).
         self.lookups: list[PrefixLookup] = []
+        #: ``prefix_lookup_due`` calls, kept apart: (how many events were recorded before
+        #: it, the event, the prompt tokens it gave).
+        self.lookups_due: list[tuple[int, LookupDue, tuple[int, ...]]] = []
         self._lock = threading.Lock()
 
     def _add(self, hook: str, engine_id: str, request_id: str | None, payload: Any) -> None:
@@ -117,6 +121,12 @@ class EventRecorder:
         with self._lock:
             self.lookups.append(lookup)
         return None
+
+    @hookimpl
+    def prefix_lookup_due(self, event: LookupDue) -> None:
+        tokens = event.prompt_tokens()
+        with self._lock:
+            self.lookups_due.append((len(self.events), event, tokens))
 
     @hookimpl
     def sparse_route_served(self, event: SparseRouteServed) -> None:

@@ -58,6 +58,8 @@ class CellResult:
     policy: dict[str, Any] = field(default_factory=dict)
     tokens_run: int = 0
     tokens_recovered: int = 0
+    #: Of the turn's time, the publication taken at its arrival (0: published before).
+    arrival_publish_s: float = 0.0
     idle_s: float = 0.0
     #: The sparse rerun measured again right after the turn with recovery (None: not).
     sparse_after_s: float | None = None
@@ -142,6 +144,7 @@ class CellResult:
             "recovery_turn_s": self.recovery_turn_s, "recovery_cached": self.recovery_cached,
             "turn_ratio": self.turn_ratio, "tokens_run": self.tokens_run,
             "tokens_recovered": self.tokens_recovered, "committed_share": self.committed_share,
+            "arrival_publish_s": self.arrival_publish_s,
             "idle_s": self.idle_s, "policy": self.policy,
         }
 
@@ -205,7 +208,8 @@ def measure_cell(
             before = _engine_status(rec.plugin.status())
             row = rec.serve(nexts[0], 1).row
             rec.think(SETTLE_S)
-            turned = _engine_status(rec.plugin.status()).get("policy", {})
+            after_turn = _engine_status(rec.plugin.status())
+            turned = after_turn.get("policy", {})
             # The sparse rerun once more, right after: the machine's speed drifts over a
             # cell, and the turn with recovery is judged against reruns on both sides of it.
             after = on.serve(base + tokens(cell.append, seed + 1 + len(nexts)), len(nexts) + 1).row.ttft_s
@@ -214,7 +218,8 @@ def measure_cell(
             for arm in arms:
                 arm.close()
     jobs = before.get("jobs", [])
-    counters = before.get("counters", {})
+    # After the turn: a publication may wait for the turn's arrival (its real length).
+    counters = after_turn.get("counters", {})
     return CellResult(
         cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached, sparse_after_s=after,
         recovery_turn_s=row.ttft_s, recovery_cached=row.cached_tokens,
@@ -224,6 +229,7 @@ def measure_cell(
         | {"job_reason": job_reason(jobs), **host_factor_after(turned)},
         tokens_run=int(counters.get("tokens_run", 0)), tokens_recovered=int(counters.get("tokens_recovered", 0)),
         idle_s=rec.result.recovery_seconds,
+        arrival_publish_s=float(counters.get("arrival_publish_seconds", 0.0)),
     )
 
 

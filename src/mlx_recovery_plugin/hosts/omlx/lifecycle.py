@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
 from ..prefill_shares import admission_shares
-from ..records import EngineBook, LiveRequest, tokens_of_prompt, tokens_of_request
+from ..records import EngineBook, LiveRequest, door_tokens, tokens_of_prompt, tokens_of_request
 from ..records import EngineRecord as _EngineRecord
 from .idle_driver import IdleDriver
 from .members import FLYTO_MLX, Member
@@ -33,7 +33,7 @@ from .members import FLYTO_MLX, Member
 if TYPE_CHECKING:  # it pulls pluggy in; the start-up hook loads this module before oMLX
     from ...plugins import HookEmitter
 
-__all__ = ["EngineRecord", "Lifecycle", "LiveRequest", "sparse_route_settings", "tokens_of_prompt", "tokens_of_request"]
+__all__ = ["EngineRecord", "Lifecycle", "LiveRequest", "door_tokens", "sparse_route_settings", "tokens_of_prompt", "tokens_of_request"]
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ...events import DepartureReason
 from .. import wrapping
-from .lifecycle import Lifecycle, tokens_of_request
+from .lifecycle import Lifecycle, door_tokens, tokens_of_request
 
 Fn = Callable[..., Any]
 #: ``(lifecycle, original, originals by "Class.method") -> wrapper``
@@ -38,6 +38,9 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         reported = False
         if record is not None and rid is not None:
             reported = bool(life.safe(life.arrive, record, rid, tokens_of_request(request), False))
+        if record is not None and rid is not None:
+            # Before the host's own lookup, so what a plugin stores now is restored by it.
+            life.safe(life.lookup_due, record, rid, door_tokens(scheduler, request))
         began = life.now()
         try:
             result = original(scheduler, request, *args, **kwargs)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...events import DepartureReason, RequestAdmitted, RequestPrefilled, Route, SparseRouteServed
-from ..records import EngineBook, EngineRecord, LiveRequest, tokens_of_prompt, tokens_of_request
+from ..records import EngineBook, EngineRecord, LiveRequest, door_tokens, tokens_of_prompt, tokens_of_request
 from .idle_driver import IdleDriver
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ __all__ = [
     "EngineRecord",
     "Lifecycle",
     "LiveRequest",
+    "door_tokens",
     "pflash_compressed",
     "pflash_settings",
     "tokens_of_prompt",

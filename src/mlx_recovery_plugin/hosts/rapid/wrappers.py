@@ -19,7 +19,7 @@ from typing import Any
 
 from ...events import DepartureReason
 from .. import wrapping
-from .lifecycle import Lifecycle, tokens_of_request
+from .lifecycle import Lifecycle, door_tokens, tokens_of_request
 
 Fn = Callable[..., Any]
 Factory = Callable[[Lifecycle, Fn, Mapping[str, Fn]], Fn]
@@ -36,6 +36,9 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         rid = getattr(request, "request_id", None)
         if record is not None and rid is not None:
             life.safe(life.arrive, record, rid, tokens_of_request(request), False)
+        if record is not None and rid is not None:
+            # Before the host's own lookup, so what a plugin stores now is restored by it.
+            life.safe(life.lookup_due, record, rid, door_tokens(scheduler, request))
         began = life.now()
         try:
             result = original(scheduler, request, *args, **kwargs)
