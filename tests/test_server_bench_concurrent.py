@@ -374,5 +374,7 @@ def test_turns_the_other_arm_sent_together_reach_the_host_in_its_order_waiting_a
     sent = {(r.conversation, r.turn): r.sent_s for r in run.steps}
     if delay_s < 0.5:
         assert sent[("B", 2)] >= delay_s and sent[("A", 2)] >= sent[("B", 2)]
+        # And the other arm's spacing: sent 0.05 s after B's there, A's goes as far after here.
+        assert sent[("A", 2)] - sent[("B", 2)] >= 0.05 - 0.005
     else:
         assert 0.3 + ORDER_WAIT_S - 0.01 <= sent[("A", 2)] < sent[("B", 2)]

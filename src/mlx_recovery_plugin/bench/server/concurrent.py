@@ -6,8 +6,8 @@ what overlaps, and so what queues behind what, is part of what is measured). Giv
 ``not_before`` (another arm's send times), a turn also waits until the other arm sent it:
 with a faster answer before it, it arrives when it arrived there, so both arms see the
 same arrivals wherever this one was not slower (``--arrivals sparse-on``), and turns the
-other arm sent within ``ORDER_WINDOW_S`` of each other are sent in its order (each waits
-at most ``ORDER_WAIT_S`` for those before it). Records land
+other arm sent within ``ORDER_WINDOW_S`` of each other are sent in its order and at
+least its spacing apart (each waits at most ``ORDER_WAIT_S`` past its own time). Records land
 in the session's step order, whatever order the answers came in, so the arms compare
 step by step. A turn's sparse route cannot be told from the log when several run at once;
 the arm's total of sparse requests is counted instead.
@@ -56,6 +56,9 @@ def serve_concurrently(
         by_conversation.setdefault(step.conversation, []).append((index, step))
     slots: list[StepRecord | None] = [None] * len(session.steps)
     sent_here = [threading.Event() for _ in session.steps]
+    # Seconds into the session each step was sent here: written by its thread before its
+    # event is set, read by others only after it is.
+    sent_at = [0.0] * len(session.steps)
     before = _sent_before(session.steps, not_before)
     errors: list[BaseException] = []
     failed = threading.Event()
@@ -72,10 +75,19 @@ def serve_concurrently(
                 if failed.wait(max(0.0, wake - time.monotonic())):
                     return
                 for earlier in before[index]:
-                    sent_here[earlier].wait(max(0.0, wake + ORDER_WAIT_S - time.monotonic()))
+                    if not sent_here[earlier].wait(max(0.0, wake + ORDER_WAIT_S - time.monotonic())):
+                        continue
+                    # And the other arm's spacing: sent 2 ms apart instead of its 0.1 s,
+                    # two turns were still taken in the other order.
+                    assert not_before is not None and other is not None
+                    gap = other - (not_before[earlier] or 0.0)
+                    spaced = min(started + sent_at[earlier] + gap, wake + ORDER_WAIT_S)
+                    if failed.wait(max(0.0, spaced - time.monotonic())):
+                        return
                 if failed.is_set():
                     return
                 sent = time.monotonic() - started
+                sent_at[index] = sent
                 sent_here[index].set()
                 measure = send_turn(client, model, list(step.messages), max_tokens=max_tokens,
                                     absent_cached_is_zero=absent_cached_is_zero)
