@@ -78,3 +78,34 @@ def test_schedule_waiting_survives_a_waiting_queue_it_cannot_read() -> None:
     schedule = wrapping.scheduler_schedule_waiting(life, original, {})
     assert schedule(Scheduler()) == "ok"
     assert calls == ["scheduled"] and life.faults == 1 and life.admissions == []
+
+
+# -- the prompt at the host's door (prefix_lookup_due) ---------------------------------
+
+
+class Tokenizer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return [ord(c) for c in text]
+
+
+def test_door_tokens_are_the_requests_ids_or_its_text_through_the_hosts_own_tokenizer() -> None:
+    from types import SimpleNamespace
+
+    from mlx_recovery_plugin.hosts.records import door_tokens
+
+    tokenizer = Tokenizer()
+    omlx = SimpleNamespace(tokenizer=tokenizer)
+    text = SimpleNamespace(prompt="hi!", prompt_token_ids=None)
+    tokens = door_tokens(omlx, text)
+    assert tokenizer.calls == 0, "nothing is tokenized until a plugin asks"
+    assert tokens() == (104, 105, 33) and tokenizer.calls == 1
+    assert text.prompt_token_ids is None, "nothing is written to the host's request"
+    assert door_tokens(omlx, SimpleNamespace(prompt="x", prompt_token_ids=[7, 8]))() == (7, 8)
+    assert door_tokens(omlx, SimpleNamespace(prompt=[1, 2, 3], prompt_token_ids=None))() == (1, 2, 3)
+    # rapid-mlx tokenizes text prompts through its own helper, not the bare tokenizer.
+    rapid = SimpleNamespace(tokenizer=tokenizer, _encode_prompt_string=lambda s: [len(s)])
+    assert door_tokens(rapid, text)() == (3,) and tokenizer.calls == 1
