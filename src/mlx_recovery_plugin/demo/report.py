@@ -147,7 +147,7 @@ def format_table(report: DemoReport) -> str:
         report.balance_line,
         *([note] if (note := report.sparse_note()) else []),
         "",
-        f"{'turn':>4} {'tokens':>7} | {'cached tokens':^22} | {'time to first token (s)':^26} | {'debt at start':^14}",
+        f"{'turn':>4} {'tokens':>7} | {'cached tokens':^22} | {'time to first token (s)':^26} | {'debt at lookup':^14}",
         f"{'':>4} {'':>7} | {'off':>6} {'on':>6} {'on+rec':>8} | {'off':>7} {'on':>7} {'on+rec':>10} | {'on':>6} {'on+rec':>7}",
     ]
     for t in range(n_turns):
