@@ -726,3 +726,18 @@ def test_a_return_that_leaves_the_prompt_inside_its_last_block_restores_the_bloc
     rig.host.run_until_idle()
     assert rig.host.result(nxt).cached_tokens == 896
     assert rig.status()["counters"]["arrival_publications"] == 1
+
+
+def test_past_the_byte_limit_a_prefix_is_published_in_idle_time_even_where_publications_wait(rigs) -> None:
+    """Nothing may be held (the cap is 0): a host that tells of its lookups still gets the
+    prefix in idle time, as before the wait for the conversation's return, not never."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, max_held_mib=0.0, threshold=200)
+    other = rig.host.submit("e", random_tokens(15, 50), max_tokens=2)
+    rig.host.run_until_idle()
+    assert rig.host.result(other).output_tokens
+    prompt = random_tokens(15, PROMPT)
+    rig.served(prompt, threshold=200, prefill_s=6.6)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["policy"]["publishes_at_arrival"] is True
+    assert rig.restorable(prompt) == 960 and status["counters"]["arrival_publications"] == 0
