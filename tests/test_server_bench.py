@@ -214,9 +214,11 @@ def test_a_turn_reads_cached_tokens_from_usage_and_a_missing_figure_is_an_error(
 def test_status_figures_carry_policy_fields_and_a_missing_total_is_an_error() -> None:
     status = {"process": {"tokens_recovered": 512, "debt": 10, "slices": 2, "budget_share_used": 0.1},
               "engines": {"e": {"publish_policy": "auto", "stand_down_reason": "dense append costs more",
-                                "counters": {"refusals": {"budget": 1}}}}}
+                                "counters": {"refusals": {"budget": 1}, "arrival_publications": 2,
+                                             "arrival_publish_seconds": 0.14}}}}
     figures = status_figures(status)
-    assert figures["tokens_recovered"] == 512
+    assert figures["tokens_recovered"] == 512 and figures["refusals"] == {"budget": 1}
+    assert (figures["arrival_publications"], figures["arrival_publish_s"]) == (2, 0.14)
     assert figures["stand_down_reason"] == "dense append costs more" and figures["publish_policy"] == "auto"
     with pytest.raises(KeyError):
         status_figures({"engines": {}})

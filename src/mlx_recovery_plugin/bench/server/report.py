@@ -116,9 +116,13 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
         for key, value in engine.items():
             if any(k in key for k in _ENGINE_KEYS) and value not in (None, {}, []):
                 out[key] = value
-        refusals = (engine.get("counters") or {}).get("refusals")
-        if refusals:
-            out["refusals"] = refusals
+        counters = engine.get("counters") or {}
+        if counters.get("refusals"):
+            out["refusals"] = counters["refusals"]
+        if counters.get("arrival_publications"):
+            # Publications taken at a turn's arrival, and what they added to those turns.
+            out["arrival_publications"] = counters["arrival_publications"]
+            out["arrival_publish_s"] = round(float(counters.get("arrival_publish_seconds") or 0.0), 4)
     return out
 
 
