@@ -38,7 +38,6 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         reported = False
         if record is not None and rid is not None:
             reported = bool(life.safe(life.arrive, record, rid, tokens_of_request(request), False))
-        if record is not None and rid is not None:
             # Before the host's own lookup, so what a plugin stores now is restored by it.
             life.safe(life.lookup_due, record, rid, door_tokens(scheduler, request))
         began = life.now()

@@ -36,7 +36,6 @@ def scheduler_add_request(life: Lifecycle, original: Fn, originals: Mapping[str,
         rid = getattr(request, "request_id", None)
         if record is not None and rid is not None:
             life.safe(life.arrive, record, rid, tokens_of_request(request), False)
-        if record is not None and rid is not None:
             # Before the host's own lookup, so what a plugin stores now is restored by it.
             life.safe(life.lookup_due, record, rid, door_tokens(scheduler, request))
         began = life.now()
