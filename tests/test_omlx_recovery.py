@@ -20,7 +20,7 @@ from mlx_recovery_plugin.hosts.omlx.members import Member
 from mlx_recovery_plugin.ports import FetchedPrefix, ModelHandle
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.recovery.service import default_runner_factory
-from mlx_recovery_plugin.settings import ModelSettings, RecoverySettings
+from mlx_recovery_plugin.settings import ModelSettings, PublishPolicy, RecoverySettings
 from mlx_recovery_plugin.testing.contract import EventRecorder, contract_tokens, stored_tokens
 from mlx_recovery_plugin.testing.omlx_host import OmlxContractHost
 from mlx_recovery_plugin.testing.tiny_model import load_tiny_model
@@ -52,9 +52,14 @@ def test_later_turns_restore_recovered_blocks_and_generate_like_the_dense_route(
     # 320: sparse. 470: the recovered 320 plus 150 new, dense. 870: 422 uncached after the
     # dense route stored 448, sparse again. 1020: the recovered 832 plus 188 new, dense.
     prompts = growing_conversation([320, 470, 870, 1020])
+    # Restoring and generating, not the policy: the auto policy's verdicts here come from
+    # a tiny model's wall-clock timings, which another process on the machine turns into
+    # "not yet clear" holds (seen in CI, and 1 of 3 runs under a two-core load before
+    # publications waited for the conversation's return; 3 of 3 since, where one verdict
+    # at the arrival decides instead of several over the gap).
     config = ServeConfig(
         model_id="tiny", block_size=BLOCK, prefill_step=128, sparse_threshold=THRESHOLD,
-        max_tokens=6, budget_pct=50.0, pool_blocks=512,
+        max_tokens=6, budget_pct=50.0, pool_blocks=512, publish_policy=PublishPolicy.ALWAYS,
     )
     arms = {arm: OmlxArm(arm, model, tokenizer, draft, config, tmp_path / arm, member=omlx_member)
             for arm in ("sparse_off", "sparse_on", "sparse_recovery")}

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
-from ..settings import ModelSettings, RecoverySettings
+from ..settings import ModelSettings, PublishPolicy, RecoverySettings
 from ..testing.engine import MockEngine
 from ..testing.host import MockHost
 from .report import ArmResult, TurnResult
@@ -54,6 +54,7 @@ class ServeConfig:
     budget_window_s: float = 10.0
     slice_tokens: int | None = None
     pool_blocks: int = 4096
+    publish_policy: PublishPolicy = PublishPolicy.AUTO
 
 
 @dataclass(slots=True)
@@ -72,6 +73,7 @@ def arm_recovery_plugin(config: ServeConfig | Any, clock: Callable[[], float]) -
             budget_window_s=config.budget_window_s,
             slice_tokens=config.slice_tokens,
             models={config.model_id: ModelSettings(enabled=True)},
+            publish_policy=getattr(config, "publish_policy", PublishPolicy.AUTO),
         ),
         clock=clock,
         control_socket=False,
