@@ -9,7 +9,9 @@ import pytest
 
 from mlx_recovery_plugin.events import RequestPrefilled, Route
 from mlx_recovery_plugin.recovery.costs import (
+    DEFAULT_APPEND_TOKENS,
     HOST_APPEND_PRIOR,
+    PROBE_BAR_AT_ARRIVAL,
     DenseCostModel,
     HostAppendFactor,
     SparseSample,
@@ -463,6 +465,15 @@ def test_a_probe_is_taken_only_where_the_prior_alone_holds_a_whole_prefix_back()
     assert "to measure the host" in probe.reason and probe.dense_s == pytest.approx(1.3 * dense, rel=0.05)
     dearer = decide(model, **kw, measured=SparseSample(9816, dense / 0.8), may_probe=True)  # 1.04 at the prior
     assert dearer.verdict is Verdict.HOLD and not dearer.probes
+    # Once the next prompt has arrived (its real length known), 4 % over the rerun at the
+    # prior is within the probe's bar; 8 % is not.
+    assert 1.04 < PROBE_BAR_AT_ARRIVAL < 1.079
+    arrived = decide(model, **kw, measured=SparseSample(9816, dense / 0.8), may_probe=True,
+                     length_known=True)
+    assert arrived.verdict is Verdict.PUBLISH and arrived.probes, arrived.reason
+    dearest = decide(model, **kw, measured=SparseSample(9816, dense / 0.83), may_probe=True,
+                     length_known=True)
+    assert dearest.verdict is Verdict.HOLD and not dearest.probes
     partial = decide(model, **(kw | {"boundary": 8960}), measured=close, may_probe=True)
     assert partial.verdict is Verdict.HOLD and not partial.probes
     noisy = DenseCostModel()
@@ -550,3 +561,26 @@ def test_the_doors_rereading_of_a_prompt_is_learned_from_the_hosts_reruns_and_we
     judge._door = DoorGrowth()
     held = judge.judge(job, 11264)
     assert held.verdict is Verdict.HOLD and "not yet clear" in held.reason, held.reason
+
+
+def test_the_judge_probes_a_close_call_at_the_arrival_that_it_holds_in_idle_time() -> None:
+    """The same whole prefix and the same next length, 4 % over the sparse rerun at the
+    prior: held in idle time (the length is a guess there), published as the probe when
+    the prompt has arrived; after one host turn has measured the factor, no more probes."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    judge = PublishJudge(PublishPolicy.AUTO, 256)
+    for context in range(0, 9216, 1024):
+        judge.observe(context, 1024, 1024 * 2e-3)
+    job = RecoveryJob(1, tuple(range(9216)), 9216)
+    judge.note_route(job, _sparse_turn(9216, 1.0, "a1"), appended=None, now=0.0)
+    ratio = judge.judge(job, 9216)
+    assert ratio.dense_s is not None and ratio.sparse_s is not None
+    # Re-time the sparse turn so that at the prior the dense append is 1.04x its rerun.
+    judge.note_route(job, _sparse_turn(9216, ratio.dense_s / ratio.sparse_s / 1.04, "a1"), appended=None, now=0.0)
+    idle = judge.judge(job, 9216)
+    assert idle.verdict is Verdict.HOLD and "not yet clear" in idle.reason
+    assert idle.dense_s == pytest.approx(1.04 * idle.sparse_s, rel=0.01)
+    arrived = judge.judge(job, 9216, next_tokens=9216 + DEFAULT_APPEND_TOKENS)
+    assert arrived.verdict is Verdict.PUBLISH and arrived.probes, arrived.reason
+    assert judge.status()["host_probe"]["taken"] == 1

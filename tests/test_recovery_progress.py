@@ -11,6 +11,7 @@ import pytest
 
 from mlx_recovery_plugin.events import RequestPrefilled, Route, SparseRouteServed
 from mlx_recovery_plugin.plugins import make_plugin_manager
+from mlx_recovery_plugin.recovery import service as service_module
 from mlx_recovery_plugin.recovery.costs import HOST_APPEND_PRIOR
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
 from mlx_recovery_plugin.runner import SliceRunner
@@ -254,6 +255,12 @@ def test_held_blocks_past_the_byte_limit_stand_the_job_down_until_its_next_turn(
     assert job["held_tokens"] == 0 and "MLX_RECOVERY_MAX_HELD_MIB" in (job["stood_down"] or "")
     rig.served(prompt + random_tokens(16, 64), threshold=5000, prefill_s=6.6)
     assert rig.status()["jobs"][0]["stood_down"] is None
+
+
+def test_unset_the_held_memory_bound_is_an_eighth_of_the_machine_and_the_status_says_so(rigs, monkeypatch) -> None:
+    monkeypatch.setattr(service_module, "machine_memory_bytes", lambda: 64 << 30)
+    assert rigs(block=64, a=A).status()["held_bound_mib"] == 8192.0
+    assert rigs(block=64, a=A, max_held_mib=300.0).status()["held_bound_mib"] == 300.0
 
 
 def test_past_the_byte_limit_blocks_a_sparse_next_turn_would_not_use_are_published_not_lost(rigs) -> None:

@@ -202,3 +202,22 @@ def test_memory_probe_rejects_a_nonsense_fraction() -> None:
 def test_device_memory_limit_is_unknown_or_a_positive_size() -> None:
     limit = gate_module.device_memory_limit()
     assert limit is None or (isinstance(limit, int) and limit > 0)
+
+
+def test_held_memory_bound_is_the_setting_when_set_else_an_eighth_of_memory_at_least_256_mib() -> None:
+    mib = 2**20
+    assert gate_module.held_memory_bound(0.0, 64 << 30) == 0
+    assert gate_module.held_memory_bound(100.0, 64 << 30) == 100 * mib
+    # A 16 GiB machine holds 2 GiB back: about 8,000 tokens of a 32-layer float32 model.
+    assert gate_module.held_memory_bound(None, 16 << 30) == 2048 * mib
+    assert gate_module.held_memory_bound(None, 1 << 30) == 256 * mib
+    assert gate_module.held_memory_bound(None, None) == 256 * mib
+
+
+def test_machine_memory_is_the_device_limit_where_mlx_reports_one(monkeypatch) -> None:
+    monkeypatch.setattr(gate_module, "device_memory_limit", lambda: 48 << 30)
+    assert gate_module.machine_memory_bytes() == 48 << 30
+    monkeypatch.setattr(gate_module, "device_memory_limit", lambda: None)
+    physical = gate_module.machine_memory_bytes()
+    # Linux and macOS both report their physical memory through sysconf.
+    assert isinstance(physical, int) and physical >= 256 << 20

@@ -101,9 +101,9 @@ class RecoverySettings(BaseSettings):
     max_jobs_per_engine: int = Field(
         4, ge=1, le=256, description="recovery jobs kept per engine (least recent dropped)"
     )
-    max_held_mib: float = Field(
-        256.0, ge=0.0, le=1_048_576.0,
-        description="memory that finished blocks held back (by the publish policy, or from an interrupted slice) may take, per engine (MiB)",
+    max_held_mib: float | None = Field(
+        None, ge=0.0, le=1_048_576.0,
+        description="memory that finished blocks held back (by the publish policy, or from an interrupted slice) may take, per engine (MiB); unset = an eighth of the device's memory (the machine's where MLX reports none), at least 256",
     )
     interruptible: bool = Field(
         True, description="abandon a slice between layers when foreground work arrives"

@@ -300,6 +300,7 @@ class PublishJudge:
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
+                length_known=next_tokens is not None,
             )
             if decision.probes:
                 self._probe.begin(job.job_id)

@@ -12,6 +12,7 @@ engine ports' ``queues_empty`` / ``is_busy`` / ``sparse_route_live``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 
 # Share of the device's memory above which recovery stays out of the way.
 DEFAULT_MEMORY_FRACTION = 0.85
+# Unset MLX_RECOVERY_MAX_HELD_MIB: an eighth of the device's memory, at least 256 MiB.
+DEFAULT_HELD_SHARE_DIVISOR = 8
+MIN_DEFAULT_HELD_MIB = 256.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,6 +132,31 @@ def device_memory_limit() -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def machine_memory_bytes() -> int | None:
+    """The device's memory limit where MLX reports one (Metal), else the machine's
+    physical memory, else None."""
+    limit = device_memory_limit()
+    if limit:
+        return limit
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def held_memory_bound(max_held_mib: float | None, machine_bytes: int | None) -> int:
+    """Bytes that finished blocks held back may take on one engine: ``max_held_mib`` when
+    set, else an eighth of ``machine_bytes``, at least ``MIN_DEFAULT_HELD_MIB``. The live
+    state a job is recovered in is as large as the prefix, and the host holds as much for
+    a dense turn of it, so a bound far below that only forces publications the policy
+    would have waited on (a 7B-class float32 model holds up to 256 KiB a token)."""
+    if max_held_mib is not None:
+        return int(max_held_mib * 2**20)
+    floor = int(MIN_DEFAULT_HELD_MIB * 2**20)
+    return max(floor, (machine_bytes or 0) // DEFAULT_HELD_SHARE_DIVISOR)
 
 
 def memory_probe(

@@ -47,7 +47,7 @@ from .ledger import ReleaseLedger
 from .live import LiveDense, RunnerFactory, Start, default_runner_factory
 from .outcomes import KEEP_LIVE_THROUGH, FaultKind, Refusal, runner_fault_kind
 from .publication import PublicationError, publish
-from .runnable import RunnableGate
+from .runnable import RunnableGate, held_memory_bound, machine_memory_bytes
 from .slice_size import SliceSizer
 from .status import EngineCounters, EngineStatus, JobStatus
 
@@ -127,7 +127,7 @@ class EngineRecovery:
         # The job the last slice was for: worked on until it is done unless another saves
         # clearly more (engine thread only).
         self._in_hand: int | None = None
-        self._max_held_bytes = int(settings.max_held_mib * 2**20)
+        self._max_held_bytes = held_memory_bound(settings.max_held_mib, machine_memory_bytes())
 
     @property
     def slice_tokens(self) -> int:
@@ -289,6 +289,7 @@ class EngineRecovery:
                 policy=dict(self.judge.status()),
                 unreleased_holders=self._ledger.pending,
                 host_refuses=self.host_refuses,
+                held_bound_mib=self._max_held_bytes / 2**20,
             )
 
     # -- the slice loop (engine thread, under _work) -------------------------------

@@ -110,6 +110,9 @@ class EngineStatus:
     #: Why recovery stopped taking jobs on this engine for good (the host restores
     #: nothing it publishes), or None.
     host_refuses: str | None = None
+    #: What finished blocks held back may take on this engine (MLX_RECOVERY_MAX_HELD_MIB,
+    #: or the default it comes to on this machine), MiB.
+    held_bound_mib: float = 0.0
 
     @property
     def debt(self) -> int:
