@@ -584,3 +584,41 @@ def test_the_judge_probes_a_close_call_at_the_arrival_that_it_holds_in_idle_time
     arrived = judge.judge(job, 9216, next_tokens=9216 + DEFAULT_APPEND_TOKENS)
     assert arrived.verdict is Verdict.PUBLISH and arrived.probes, arrived.reason
     assert judge.status()["host_probe"]["taken"] == 1
+
+
+def test_at_a_request_a_held_prefix_that_would_lose_stays_held_and_the_job_is_not_stood_down() -> None:
+    """Seen on the real server (4,096-wide, 4 layers, 8 key/value heads): recovery held 9,216
+    of a 10,496-token prefix when the next request came with 2,095 tokens past it. That
+    request's dense turn would lose, and the verdict read "stand down ... on this model and
+    machine" though the whole prefix paid. At a request the verdict is for that request:
+    a hold, and the whole prefix, judged in the next gap, pays."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    judge = PublishJudge(PublishPolicy.AUTO, 256)
+    for context in range(0, 10496, 1024):
+        judge.observe(context, 1024, 1024 * 2e-3)
+    job = RecoveryJob(1, tuple(range(10707)), 10707)
+    judge.note_route(job, _sparse_turn(10707, 2.0, "a1"), appended=603, now=0.0)
+    at_request = judge.judge(job, 9216, next_tokens=11311)
+    assert at_request.verdict is Verdict.HOLD, at_request.reason
+    assert "not published for this request over the 9216 tokens held" in at_request.reason
+    assert judge.status()["verdict"] == "hold"
+    assert judge.judge(job, 10496).verdict is Verdict.PUBLISH
+
+
+def test_at_a_request_a_held_partial_prefix_is_not_published_before_the_dense_cost_is_known() -> None:
+    """Seen on the real server (3072x4, the machine loaded through the first turn): the
+    slices had run under load, the quiet machine's cost model had 2 samples, and at the
+    next request the 7,168 tokens held of 9,472 were published as "full prefix; dense cost
+    not yet learned": at a request what is held is all that can be reached, so it passed
+    for the whole prefix, and the turn went dense over 2,935 new tokens at 2.38x its
+    sparse route. A partial prefix waits for the cost; the whole one still goes out."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    judge = PublishJudge(PublishPolicy.AUTO, 256)
+    job = RecoveryJob(1, tuple(range(9499)), 9499)
+    judge.note_route(job, _sparse_turn(9499, 7.7, "a2"), appended=604, now=0.0)
+    assert not judge.costs.fitted
+    partial = judge.judge(job, 7168, next_tokens=10103)
+    assert partial.verdict is Verdict.HOLD, partial.reason
+    assert judge.judge(job, 9472, next_tokens=10103).verdict is Verdict.PUBLISH

@@ -80,6 +80,13 @@ def arm_recovery_plugin(config: ServeConfig | Any, clock: Callable[[], float]) -
     )
 
 
+def recovered_tokens(plugin: RecoveryPlugin | None) -> int | None:
+    """Tokens the recovery arm's plugin has published so far (None: an arm without it)."""
+    if plugin is None:
+        return None
+    return int(plugin.status()["process"].get("tokens_recovered", 0))
+
+
 class ArmSession:
     """One arm: a host, an engine, and (for the recovery arm) the recovery plugin."""
 
@@ -151,9 +158,9 @@ class ArmSession:
         self._note_recovered()
 
     def _note_recovered(self) -> None:
-        if self.plugin is not None:
-            totals = self.plugin.status()["process"]
-            self.result.recovered_tokens = int(totals.get("tokens_recovered", 0))
+        recovered = recovered_tokens(self.plugin)
+        if recovered is not None:
+            self.result.recovered_tokens = recovered
 
     def _debt(self, prompt: tuple[int, ...]) -> int:
         """Tokens of the last prompt that the host holds no reusable prefix state for."""

@@ -29,7 +29,7 @@ from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
 from ..settings import RecoverySettings
 from ..testing.omlx_host import make_request
-from .arms import ServeConfig, VirtualClock, arm_recovery_plugin
+from .arms import ServeConfig, VirtualClock, arm_recovery_plugin, recovered_tokens
 from .report import ARMS, ArmResult, TurnResult
 
 # Steps one turn may take before the session gives up on it (a stuck host).
@@ -213,9 +213,9 @@ class OmlxArm:
         self._note_recovered()
 
     def _note_recovered(self) -> None:
-        if self.plugin is not None:
-            totals = self.plugin.status()["process"]
-            self.result.recovered_tokens = int(totals.get("tokens_recovered", 0))
+        recovered = recovered_tokens(self.plugin)
+        if recovered is not None:
+            self.result.recovered_tokens = recovered
 
     def close(self) -> None:
         try:

@@ -364,6 +364,7 @@ def decide(
     host_factor: float = 1.0,
     may_probe: bool = False,
     length_known: bool = False,
+    whole_boundary: int | None = None,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -383,7 +384,9 @@ def decide(
     holds back (the slices' own estimate pays by the margin) and that at the prior's
     expected cost is no slower than the sparse rerun is published; ``length_known`` (the
     next prompt has arrived): one that at the prior's expected cost is at most
-    :data:`PROBE_BAR_AT_ARRIVAL` times the rerun."""
+    :data:`PROBE_BAR_AT_ARRIVAL` times the rerun. ``whole_boundary``: the job's whole
+    prefix (None: ``full_boundary``); only a prefix that reaches it is published before
+    the costs are known (at a request ``full_boundary`` is what is held, however short)."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -401,7 +404,7 @@ def decide(
     floor = sparse_rerun_seconds(model, next_tokens, keep, cheapest) if cheapest is not None else None
     beat = sparse if sparse is None or floor is None else min(sparse, floor)
     if dense is None or sparse is None or beat is None:
-        if boundary >= full_boundary:
+        if boundary >= (full_boundary if whole_boundary is None else whole_boundary):
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")
         return Decision(Verdict.HOLD, "learning the dense cost before a partial prefix is published")
     host = "" if host_factor == 1.0 else f", the host's: {host_factor:.2f}x the slices'"

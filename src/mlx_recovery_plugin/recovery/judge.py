@@ -301,9 +301,18 @@ class PublishJudge:
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
                 length_known=next_tokens is not None,
+                whole_boundary=job.publish_end(self.block_size),
             )
             if decision.probes:
                 self._probe.begin(job.job_id)
+            if next_tokens is not None and decision.verdict is Verdict.STAND_DOWN:
+                # At a request, the verdict is for that request alone, over what is held:
+                # the job goes on in the next gap, where its whole prefix is judged.
+                decision = Decision(
+                    Verdict.HOLD, f"not published for this request over the {boundary} tokens held: "
+                    f"a dense turn ({decision.dense_s:.2f} s) would cost more than its sparse route "
+                    f"({decision.sparse_s:.2f} s)", decision.dense_s, decision.sparse_s,
+                )
         self.last = decision
         memory = self._routes.get(job.job_id)
         if memory is not None and decision.verdict is Verdict.PUBLISH:
