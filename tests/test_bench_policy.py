@@ -86,6 +86,17 @@ def test_the_host_factor_is_reported_only_where_the_next_turn_measured_it() -> N
     assert "measured on the next turn" not in format_report(PolicyReport([result(1.0, 2.0, "held", 2.0)]))
 
 
+def test_a_wrong_verdict_shows_what_was_decided_at_the_turns_arrival() -> None:
+    """The policy's reason before the turn is an idle-time verdict; where publications
+    wait for the request, the one that set the turn's route was taken at its arrival."""
+    cell = result(dense=1.5, sparse=1.0, verdict="published", turn=1.5)
+    cell.policy = {"reason": "dense append 0.5 s < sparse rerun 1.2 s",
+                   "at_request": {"verdict": "publish", "reason": "dense append 0.6 s < sparse rerun 1.1 s"}}
+    text = format_report(PolicyReport([cell]))
+    assert "at the turn's arrival: publish (dense append 0.6 s < sparse rerun 1.1 s)" in text
+    assert "at the turn's arrival" not in format_report(PolicyReport([result(1.5, 1.0, "published", 1.5)]))
+
+
 def test_the_competing_load_runs_one_process_per_core_and_leaves_none_behind() -> None:
     with CompetingLoad(2) as load:
         children = list(load._children)

@@ -691,6 +691,7 @@ def test_a_held_prefix_is_published_when_its_conversation_returns_with_a_short_t
     counters = rig.status()["counters"]
     assert counters["arrival_publications"] == 1 and counters["tokens_recovered"] == 960
     assert rig.status()["jobs"] == []
+    assert rig.status()["policy"]["at_last_request"]["verdict"] == "publish"
 
 
 def test_a_held_prefix_stays_unpublished_when_its_conversation_returns_with_a_long_turn(rigs) -> None:
@@ -706,6 +707,7 @@ def test_a_held_prefix_stays_unpublished_when_its_conversation_returns_with_a_lo
     status = rig.status()
     assert status["counters"]["arrival_publications"] == 0 and status["counters"]["tokens_recovered"] == 0
     assert status["policy"]["verdict"] == "hold"
+    assert status["policy"]["at_last_request"]["verdict"] == "hold"
     (job,) = status["jobs"]
     assert job["held_tokens"] == 960 and job["tokens"] == len(longer), "the held blocks go on with the conversation"
 

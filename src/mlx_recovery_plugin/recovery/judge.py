@@ -124,6 +124,8 @@ class PublishJudge:
         self.costs = self._models[self.regime]
         self._switches = 0
         self.last: Decision | None = None
+        # The verdict taken at the last request that continued a held conversation.
+        self._at_request: Decision | None = None
         self._routes: dict[int, RouteMemory] = {}
         # The last ``SEEN_APPENDS`` growths of any conversation (engine thread).
         self._appends: deque[int] = deque(maxlen=SEEN_APPENDS)
@@ -314,6 +316,8 @@ class PublishJudge:
                     f"({decision.sparse_s:.2f} s)", decision.dense_s, decision.sparse_s,
                 )
         self.last = decision
+        if next_tokens is not None:
+            self._at_request = decision
         memory = self._routes.get(job.job_id)
         if memory is not None and decision.verdict is Verdict.PUBLISH:
             memory.predicted_dense_s = decision.dense_s
@@ -407,5 +411,11 @@ class PublishJudge:
                 "reason": decision.reason if decision else None,
                 "dense_append_s": decision.dense_s if decision else None,
                 "sparse_rerun_s": decision.sparse_s if decision else None,
+                # What the last request that continued a held conversation was given
+                # (later verdicts in idle time replace ``verdict`` and ``reason``).
+                "at_last_request": None if self._at_request is None else {
+                    "verdict": self._at_request.verdict.value, "reason": self._at_request.reason,
+                    "dense_append_s": self._at_request.dense_s, "sparse_rerun_s": self._at_request.sparse_s,
+                },
             }
         )

@@ -226,7 +226,8 @@ def measure_cell(
         verdict=_verdict(row.cached_tokens, cached, matrix.block, jobs, counters),
         policy={k: before.get("policy", {}).get(k) for k in
                 ("verdict", "reason", "dense_append_s", "sparse_rerun_s", "dense_cost_samples")}
-        | {"job_reason": job_reason(jobs), **host_factor_after(turned)},
+        | {"job_reason": job_reason(jobs), **host_factor_after(turned),
+           "at_request": turned.get("at_last_request")},
         tokens_run=int(counters.get("tokens_run", 0)), tokens_recovered=int(counters.get("tokens_recovered", 0)),
         idle_s=rec.result.recovery_seconds,
         arrival_publish_s=float(counters.get("arrival_publish_seconds", 0.0)),

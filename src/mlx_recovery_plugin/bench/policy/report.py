@@ -109,6 +109,9 @@ def format_report(report: PolicyReport) -> str:
     lines.append(f"wrong verdicts: {len(wrong)}, costing {sum(r.cost_s for r in wrong):.2f} s of next-turn time")
     for r in wrong:
         lines.append(f"  {r.cell.label}: {r.verdict} ({r.policy.get('job_reason') or r.policy.get('reason')})")
+        at_request = r.policy.get("at_request")
+        if at_request:
+            lines.append(f"    at the turn's arrival: {at_request['verdict']} ({at_request['reason']})")
     for goal, met in report.goals().items():
         lines.append(f"{'met' if met else 'MISSED'}: {goal}")
     return "\n".join(lines)
