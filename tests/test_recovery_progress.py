@@ -750,3 +750,28 @@ def test_past_the_byte_limit_a_prefix_is_published_in_idle_time_even_where_publi
     status = rig.status()
     assert status["policy"]["publishes_at_arrival"] is True
     assert rig.restorable(prompt) == 960 and status["counters"]["arrival_publications"] == 0
+
+
+def test_a_partial_prefix_held_before_the_dense_cost_is_known_is_not_published_at_the_return(rigs) -> None:
+    """Two slices ran (a few blocks of 960 tokens, at two contexts: the dense cost is not
+    learned) when the conversation returns with 50 more tokens. Over what is held the turn
+    would be dense (under 900 uncached, the threshold) at a cost nobody knows; the blocks
+    stay held, the turn keeps its sparse route, and the job goes on in the next gap."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, threshold=900)
+    other = rig.host.submit("e", random_tokens(15, 50), max_tokens=2)
+    rig.host.run_until_idle()
+    assert rig.host.result(other).route == "dense"
+    prompt = random_tokens(21, PROMPT)
+    rig.served(prompt, threshold=900, prefill_s=6.6)
+    rig.idle(until=rig.clock() + 1.0)  # two slices at 10 ms a token
+    status = rig.status()
+    (job,) = status["jobs"]
+    held = job["held_tokens"]
+    assert 1050 - held < 900 and status["policy"]["dense_s_per_token"] is None, status["policy"]
+    nxt = rig.host.submit("e", [*prompt, *random_tokens(22, 50)], max_tokens=2, sparse=True)
+    rig.host.run_until_idle()
+    assert (rig.host.result(nxt).cached_tokens, rig.host.result(nxt).route) == (0, "sparse")
+    status = rig.status()
+    assert status["counters"]["arrival_publications"] == 0
+    assert status["policy"]["at_last_request"]["verdict"] == "hold"
+    assert status["jobs"][0]["held_tokens"] == held
