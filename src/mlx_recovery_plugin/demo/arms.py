@@ -80,11 +80,11 @@ def arm_recovery_plugin(config: ServeConfig | Any, clock: Callable[[], float]) -
     )
 
 
-def recovered_tokens(plugin: RecoveryPlugin | None) -> int | None:
-    """Tokens the recovery arm's plugin has published so far (None: an arm without it)."""
-    if plugin is None:
-        return None
-    return int(plugin.status()["process"].get("tokens_recovered", 0))
+def note_recovered(result: ArmResult, plugin: RecoveryPlugin | None) -> None:
+    """Put the tokens the recovery arm's plugin has published so far into ``result`` (an
+    arm without the plugin keeps its 0)."""
+    if plugin is not None:
+        result.recovered_tokens = int(plugin.status()["process"].get("tokens_recovered", 0))
 
 
 class ArmSession:
@@ -127,7 +127,7 @@ class ArmSession:
         got = self.host.result(rid)
         # After the turn: recovery may publish at the turn's arrival, before its lookup.
         debt = self._debt(self._previous)
-        self._note_recovered()
+        note_recovered(self.result, self.plugin)
         row = TurnResult(
             turn=turn.index,
             prompt_tokens=len(turn.prompt),
@@ -155,12 +155,7 @@ class ArmSession:
                 break
             self.clock.advance(min(delays))
         self.result.recovery_seconds += time.perf_counter() - started
-        self._note_recovered()
-
-    def _note_recovered(self) -> None:
-        recovered = recovered_tokens(self.plugin)
-        if recovered is not None:
-            self.result.recovered_tokens = recovered
+        note_recovered(self.result, self.plugin)
 
     def _debt(self, prompt: tuple[int, ...]) -> int:
         """Tokens of the last prompt that the host holds no reusable prefix state for."""

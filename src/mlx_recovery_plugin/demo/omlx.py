@@ -29,7 +29,7 @@ from ..plugins import make_plugin_manager
 from ..recovery.plugin import RecoveryPlugin
 from ..settings import RecoverySettings
 from ..testing.omlx_host import make_request
-from .arms import ServeConfig, VirtualClock, arm_recovery_plugin, recovered_tokens
+from .arms import ServeConfig, VirtualClock, arm_recovery_plugin, note_recovered
 from .report import ARMS, ArmResult, TurnResult
 
 # Steps one turn may take before the session gives up on it (a stuck host).
@@ -188,7 +188,7 @@ class OmlxArm:
         # After the turn: recovery may publish at the turn's arrival, before its lookup.
         if self._previous:
             served.row.debt_tokens = len(self._previous) - stored_prefix(self.scheduler, self._previous)
-        self._note_recovered()
+        note_recovered(self.result, self.plugin)
         self.result.turns.append(served.row)
         self.outputs.append(served.output_tokens)
         self._previous = tuple(prompt)
@@ -210,12 +210,7 @@ class OmlxArm:
                 break
             self.clock.advance(wait)
         self.result.recovery_seconds += time.perf_counter() - started
-        self._note_recovered()
-
-    def _note_recovered(self) -> None:
-        recovered = recovered_tokens(self.plugin)
-        if recovered is not None:
-            self.result.recovered_tokens = recovered
+        note_recovered(self.result, self.plugin)
 
     def close(self) -> None:
         try:
