@@ -117,10 +117,11 @@ def test_fetching_gemma_without_gguf_says_to_install_it_before_downloading(
 
     real_import = builtins.__import__
 
-    def no_gguf(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "gguf" or name.startswith("gguf."):
+    def no_gguf(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        # Only the absolute package: the plugin's own ``.gguf`` module imports relatively.
+        if level == 0 and (name == "gguf" or name.startswith("gguf.")):
             raise ImportError(name)
-        return real_import(name, *args, **kwargs)
+        return real_import(name, globals, locals, fromlist, level)
 
     def no_download(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("downloaded although it could not convert")
