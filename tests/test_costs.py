@@ -378,6 +378,54 @@ def test_a_first_turn_counts_its_draft_reading_only_for_the_new_tokens_when_weig
     assert route.cheapest(Regime.QUIET, 600).seconds == pytest.approx(rerun.seconds)
 
 
+def _first_turn_loaded_then_quiet(prefill_s: float, door_s: float) -> tuple[Any, Any]:
+    """A judge whose conversation's first sparse turn (8,704 tokens) took ``prefill_s``
+    (``door_s`` of it at the door) while a build kept both cores busy, as did its first
+    slices (twice the quiet cost); then the machine went quiet for five more."""
+    from mlx_recovery_plugin.events import SparseRouteServed
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(8704)), 8704)
+    counters.advance(10.0, others=1.0)
+    judge.note_route(job, SparseRouteServed("e", "r", "m", tuple(range(8704)), 0, 8704, threshold=8192, keep=0.2,
+                                            prefill_s=prefill_s, door_s=door_s), appended=None, now=0.0)
+    for context in (0, 1024, 2048):
+        counters.advance(5.0, others=1.0)
+        judge.observe(context, 1024, 2 * 1024 * (2e-3 + 1e-7 * (context + 512)))
+    for context in (3072, 4096, 5120, 6144, 7168):
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (2e-3 + 1e-7 * (context + 512)))
+    return judge, job
+
+
+def test_a_first_turn_carried_over_from_a_loaded_machine_counts_its_draft_reading_as_a_rerun_would() -> None:
+    """The first turn ran loaded: 8 s, 4.4 s of it the draft scoring the whole prompt at
+    the door. Carried over to the quiet machine (half the cost) it is 4 s, which a dense
+    append of ~2.1 s (600 tokens over 8,704 at the host's prior factor) beats; but the
+    rerun it implies re-scores only the 600 new tokens at the door (~2 s in all), which
+    that dense append does not beat. A sparse turn measured in the current regime is
+    weighed as a rerun; one carried over from the other regime must be too."""
+    judge, job = _first_turn_loaded_then_quiet(8.0, 4.4)
+    assert judge.regime.value == "quiet"
+    decision = judge.judge(job, 8704, next_tokens=8704 + 600)
+    dense = HOST_APPEND_PRIOR * 600 * (2e-3 + 1e-7 * (8704 + 300))
+    rerun = 0.5 * (8.0 - 4.4 + 4.4 * 600 / 8704)
+    assert 0.9 * rerun < dense < 0.9 * 0.5 * 8.0  # what the test is about
+    assert decision.verdict is Verdict.HOLD, decision.reason  # not published, not stood down
+    carried = judge.status()["sparse_carried_over"]
+    assert (carried["from"], carried["by"], carried["door_s"]) == ("busy", "dense costs", 4.4)
+    assert carried["factor"] == pytest.approx(0.5, rel=0.05)
+    # A slower first turn, whose rerun the dense append does beat, is published.
+    judge, job = _first_turn_loaded_then_quiet(16.0, 4.4)
+    decision = judge.judge(job, 8704, next_tokens=8704 + 600)
+    assert decision.verdict is Verdict.PUBLISH, decision.reason
+    # Weighed against the rerun (its door for the new tokens), grown to the next prompt's
+    # length (~7 % more kept tokens), not against the whole first turn (8 s carried over).
+    assert 0.5 * (16.0 - 4.4) < decision.sparse_s < 0.5 * 16.0
+
+
 def test_one_sparse_turn_told_by_both_hooks_is_one_recent_sample() -> None:
     """oMLX reports a later sparse turn twice: ``request_prefilled`` at its first token,
     then ``sparse_route_served`` (with the door's share) when it finishes. Counted twice,

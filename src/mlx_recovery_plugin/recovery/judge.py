@@ -137,6 +137,8 @@ class PublishJudge:
         self._lookups_seen = False
         self._sparse_updates = 0
         self._last_turn: dict[str, Any] | None = None
+        # The last sparse turn carried over from another load regime (status only).
+        self._carried_last: dict[str, Any] | None = None
         self._status: MappingProxyType[str, Any] = self._build_status()
 
     def note_route(
@@ -298,7 +300,7 @@ class PublishJudge:
                 threshold=route.threshold,
                 keep=keep,
                 measured=self._sparse_sample(route, keep),
-                cheapest=route.cheapest(self.regime, appended, self._door.value),
+                cheapest=self._cheapest(route, keep, appended),
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
@@ -359,21 +361,59 @@ class PublishJudge:
 
     def _sparse_sample(self, route: RouteMemory, keep: float) -> SparseSample | None:
         """The conversation's sparse turn as it would cost in the current regime: one
-        measured in it; else one measured in the other regime, scaled by how the two
-        regimes' dense costs compare at its size, or (not comparable yet) by the share of
-        the machine this process had then and has now; else None."""
+        measured in it; else one measured in the other regime, carried over
+        (:meth:`_carried`); else None."""
         own = route.sparse.get(self.regime)
         if own is not None:
             return own
+        carried = self._carried(route, keep)
+        if carried is None:
+            return None
+        regime, factor = carried
+        return route.sparse[regime].scaled(factor)
+
+    def _cheapest(self, route: RouteMemory, keep: float, appended: int) -> SparseSample | None:
+        """The cheapest recent sparse turn as a rerun that grew by ``appended``
+        (:meth:`RouteMemory.cheapest`), in the current regime; where none was measured in
+        it, the other regime's, carried over as the latest is: a carried-over first turn
+        counts its door's reading of the whole prompt, which a rerun does not pay."""
+        if self.regime in route.recent:
+            return route.cheapest(self.regime, appended, self._door.value)
+        carried = self._carried(route, keep)
+        if carried is None:
+            return None
+        regime, factor = carried
+        cheapest = route.cheapest(regime, appended, self._door.value)
+        return None if cheapest is None else cheapest.scaled(factor)
+
+    def _carried(self, route: RouteMemory, keep: float) -> tuple[Regime, float] | None:
+        """The regime a sparse turn of the conversation was measured in, and the factor that
+        carries it to the current one: how the two regimes' dense costs compare at its
+        kept share, or (not comparable yet) the share of the machine this process had then
+        and has now; None where neither can be told. The status shows the last one taken."""
         for regime, sample in route.sparse.items():
+            if regime is self.regime:
+                continue
             kept = max(1, round(keep * sample.tokens))
             here, there = self.costs.seconds(kept, 0), self._models[regime].seconds(kept, 0)
+            factor, by = None, ""
             if here and there:
-                return SparseSample(sample.tokens, sample.seconds * here / there)
-            now = self._load.last_share
-            if sample.others_share is not None and now is not None:
-                ours_then, ours_now = 1.0 - min(sample.others_share, 0.9), 1.0 - min(now, 0.9)
-                return SparseSample(sample.tokens, sample.seconds * ours_then / ours_now)
+                factor, by = here / there, "dense costs"
+            else:
+                now = self._load.last_share
+                if sample.others_share is not None and now is not None:
+                    ours_then, ours_now = 1.0 - min(sample.others_share, 0.9), 1.0 - min(now, 0.9)
+                    factor, by = ours_then / ours_now, "machine share"
+            if factor is None:
+                continue
+            self._carried_last = {
+                "from": regime.value, "tokens": sample.tokens, "seconds": round(sample.seconds, 4),
+                "door_s": None if sample.door_s is None else round(sample.door_s, 4),
+                "factor": round(factor, 4), "by": by,
+                "here_spans_kept": self.costs.spans(kept, 0),
+                "there_spans_kept": self._models[regime].spans(kept, 0),
+            }
+            return regime, factor
         return None
 
     def _build_status(self) -> MappingProxyType[str, Any]:
@@ -413,6 +453,8 @@ class PublishJudge:
                 "sparse_rerun_s": decision.sparse_s if decision else None,
                 # What the last request that continued a held conversation was given
                 # (later verdicts in idle time replace ``verdict`` and ``reason``).
+                # The last sparse turn carried over from the other load regime, and how.
+                "sparse_carried_over": self._carried_last,
                 "at_last_request": None if self._at_request is None else {
                     "verdict": self._at_request.verdict.value, "reason": self._at_request.reason,
                     "dense_append_s": self._at_request.dense_s, "sparse_rerun_s": self._at_request.sparse_s,

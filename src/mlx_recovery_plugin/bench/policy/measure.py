@@ -227,7 +227,7 @@ def measure_cell(
         policy={k: before.get("policy", {}).get(k) for k in
                 ("verdict", "reason", "dense_append_s", "sparse_rerun_s", "dense_cost_samples")}
         | {"job_reason": job_reason(jobs), **host_factor_after(turned),
-           "at_request": turned.get("at_last_request")},
+           "at_request": turned.get("at_last_request"), "carried": turned.get("sparse_carried_over")},
         tokens_run=int(counters.get("tokens_run", 0)), tokens_recovered=int(counters.get("tokens_recovered", 0)),
         idle_s=rec.result.recovery_seconds,
         arrival_publish_s=float(counters.get("arrival_publish_seconds", 0.0)),
