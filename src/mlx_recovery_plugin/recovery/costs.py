@@ -236,13 +236,6 @@ class DenseCostModel:
         the probe's own run)."""
         return max((at for band in self._bands.values() for _, at in band.samples), default=0.0)
 
-    def spans(self, tokens: int, context: int) -> bool:
-        """A pass of ``tokens`` over ``context`` attends within the positions the samples
-        saw (from the nearest one below to :data:`SUPPORT_REACH` past the furthest)."""
-        at = context + tokens / 2.0
-        seen = [p for band in self._bands.values() for _, p in band.samples]
-        return bool(seen) and min(seen) / SUPPORT_REACH <= at <= SUPPORT_REACH * max(seen)
-
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token, and per token per attended position; None until
         :attr:`fitted`. Both are kept non-negative."""

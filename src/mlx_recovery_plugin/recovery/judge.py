@@ -37,7 +37,7 @@ from .costs import (
 from .door_reading import DoorGrowth, door_growth
 from .host_probe import HostCostProbe
 from .jobs import RecoveryJob
-from .machine_load import MachineLoad, Regime
+from .machine_load import MachineLoad, Regime, carry_factor, cpu_share_factor
 
 # The keep share assumed when the host does not say (oMLX's default).
 DEFAULT_KEEP = 0.2
@@ -388,30 +388,25 @@ class PublishJudge:
 
     def _carried(self, route: RouteMemory, keep: float) -> tuple[Regime, float] | None:
         """The regime a sparse turn of the conversation was measured in, and the factor that
-        carries it to the current one: how the two regimes' dense costs compare at its
-        kept share, or (not comparable yet) the share of the machine this process had then
-        and has now; None where neither can be told. The status shows the last one taken."""
+        carries it to the current one (:func:`carry_factor`); None where it cannot be told.
+        The status shows the last one taken."""
         for regime, sample in route.sparse.items():
             if regime is self.regime:
                 continue
             kept = max(1, round(keep * sample.tokens))
             here, there = self.costs.seconds(kept, 0), self._models[regime].seconds(kept, 0)
-            factor, by = None, ""
-            if here and there:
-                factor, by = here / there, "dense costs"
-            else:
-                now = self._load.last_share
-                if sample.others_share is not None and now is not None:
-                    ours_then, ours_now = 1.0 - min(sample.others_share, 0.9), 1.0 - min(now, 0.9)
-                    factor, by = ours_then / ours_now, "machine share"
+            by_costs = here / there if here and there else None
+            by_share = cpu_share_factor(sample.others_share, self._load.last_share)
+            factor = carry_factor(by_costs, by_share)
             if factor is None:
                 continue
             self._carried_last = {
                 "from": regime.value, "tokens": sample.tokens, "seconds": round(sample.seconds, 4),
                 "door_s": None if sample.door_s is None else round(sample.door_s, 4),
-                "factor": round(factor, 4), "by": by,
-                "here_spans_kept": self.costs.spans(kept, 0),
-                "there_spans_kept": self._models[regime].spans(kept, 0),
+                "factor": round(factor, 4),
+                "by_dense_costs": None if by_costs is None else round(by_costs, 4),
+                "by_cpu_share": None if by_share is None else round(by_share, 4),
+                "others_share_then": sample.others_share, "others_share_now": self._load.last_share,
             }
             return regime, factor
         return None

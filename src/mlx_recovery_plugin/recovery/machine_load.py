@@ -13,6 +13,7 @@ Threads: a :class:`MachineLoad` belongs to one engine's publish policy (its engi
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -85,3 +86,30 @@ class MachineLoad:
             return self._reader()
         except Exception:  # noqa: BLE001 - a counter that cannot be read is "not known"
             return None
+
+
+def cpu_share_factor(others_then: float | None, others_now: float | None) -> float | None:
+    """What a pass timed while other processes took ``others_then`` of the machine's CPU
+    time costs now that they take ``others_now``, if it wanted every core and the cores
+    were shared fairly among what ran: with ``n`` cores, others keeping ``n * s`` of them
+    busy leave a pass ``n / (n + n * s)`` of the machine, so the factor is
+    ``(1 + s_now) / (1 + s_then)`` (None where either share is not known). A pass that
+    wants fewer cores, or runs elsewhere (a GPU), is slowed less."""
+    if others_then is None or others_now is None:
+        return None
+    return (1.0 + max(0.0, others_now)) / (1.0 + max(0.0, others_then))
+
+
+def carry_factor(by_dense_costs: float | None, by_cpu_share: float | None) -> float | None:
+    """The factor that carries a host's sparse turn from one load regime to the other: of
+    the two regimes' dense costs compared (``by_dense_costs``) and the CPU's fair share
+    (:func:`cpu_share_factor`), the one nearer 1, or whichever is known. Each overstates how
+    much the load changed a host's turn, for its own reason: the slices that the dense costs
+    come from are short passes, which contention slows more than a turn's long ones (on this
+    2-core CPU under two busy processes, a 256-token pass 3.4x, a 2,048-token one 1.8x);
+    the fair share counts a pass as CPU-bound, which on a GPU it is not."""
+    known = [f for f in (by_dense_costs, by_cpu_share) if f is not None and f > 0 and math.isfinite(f)]
+    if not known:
+        return None
+    return min(known, key=lambda f: abs(math.log(f)))
+
