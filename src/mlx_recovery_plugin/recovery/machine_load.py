@@ -106,7 +106,7 @@ def carry_factor(by_dense_costs: float | None, by_cpu_share: float | None) -> fl
     (:func:`cpu_share_factor`), the one nearer 1, or whichever is known. Each overstates how
     much the load changed a host's turn, for its own reason: the slices that the dense costs
     come from are short passes, which contention slows more than a turn's long ones (on this
-    2-core CPU under two busy processes, a 256-token pass 3.4x, a 2,048-token one 1.8x);
+    2-core CPU under two busy processes, a 256-token pass 2.6x, a 2,048-token one 1.75x);
     the fair share counts a pass as CPU-bound, which on a GPU it is not."""
     known = [f for f in (by_dense_costs, by_cpu_share) if f is not None and f > 0 and math.isfinite(f)]
     if not known:
