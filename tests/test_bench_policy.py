@@ -14,7 +14,11 @@ from mlx_recovery_plugin.bench.policy.load import CompetingLoad
 from mlx_recovery_plugin.bench.policy.measure import CellResult
 from mlx_recovery_plugin.bench.policy.report import PolicyReport, format_report
 from mlx_recovery_plugin.cli import main
+from mlx_recovery_plugin.recovery import machine_load
 from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec
+
+# Taken before the suite's fixture hides the machine's counters (``conftest.quiet_machine``).
+REAL_COUNTERS = machine_load.read_counters
 
 CELL = Cell(TinyModelSpec(), 1024, 128, loaded=False)
 
@@ -152,6 +156,30 @@ def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Pa
     assert set(saved["goals"]) == set(report.goals())
     again = PolicyReport.read_json(tmp_path / "policy.json")
     assert format_report(again) == format_report(report)
+
+
+def test_a_cell_loaded_at_the_next_turn_serves_that_turn_on_a_busy_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other way round from a loaded first turn: the machine is quiet for the first
+    turn and the first stretch of idle time, then busy through the next turn, whose truth
+    is measured busy too; the policy judges that turn on the busy machine."""
+    pytest.importorskip("omlx", reason="the oMLX scheduler is installed in .venv-omlx (CI)")
+    import dataclasses
+
+    from mlx_recovery_plugin.bench.policy.run import run_matrix
+
+    # The machine's real counters (the suite hides them): the load here is real.
+    monkeypatch.setattr(machine_load, "read_counters", REAL_COUNTERS)
+    matrix = quick_matrix(loads=(True,), load_at="next")
+    matrix = dataclasses.replace(matrix, cells=matrix.cells[:1])
+    report = run_matrix(matrix, tmp_path, repeats=1)
+    (r,) = report.results
+    assert r.cell.label.endswith("loaded at next")
+    assert r.policy["regime_at_turn"] == "busy"
+    assert r.tokens_recovered <= r.tokens_run
+    report.write_json(tmp_path / "policy.json")
+    assert PolicyReport.read_json(tmp_path / "policy.json").results[0].cell.load_at == "next"
 
 
 def test_the_competing_load_starts_once_and_stops_in_place() -> None:

@@ -62,12 +62,17 @@ class Cell:
     context: int
     append: int
     loaded: bool
+    #: When a loaded cell's load runs: ``first`` (the first turn and the first stretch of
+    #: idle time; the next turn on a quiet machine) or ``next`` (from the second stretch of
+    #: idle time through the next turn, whose truth is then measured loaded too).
+    load_at: str = "first"
 
     @property
     def label(self) -> str:
         s = self.shape
+        loaded = (" loaded" + (" at next" if self.load_at == "next" else "")) if self.loaded else ""
         return (f"{s.hidden_size}x{s.num_layers} ffn{s.intermediate_size} q{s.num_heads}/kv{s.num_kv_heads} "
-                f"@{self.context}{' loaded' if self.loaded else ''}")
+                f"@{self.context}{loaded}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,13 +91,15 @@ def full_matrix(
     contexts: tuple[int, ...] = CONTEXTS,
     loads: tuple[bool, ...] = (False, True),
     append: int = APPEND,
+    load_at: str = "first",
 ) -> Matrix:
-    cells = tuple(Cell(s, c, append, load) for s in shapes for c in contexts for load in loads)
+    cells = tuple(Cell(s, c, append, load, load_at) for s in shapes for c in contexts for load in loads)
     return Matrix(cells, DRAFT, THRESHOLD, BLOCK, PREFILL_STEP)
 
 
-def quick_matrix(loads: tuple[bool, ...] = (False, True)) -> Matrix:
-    cells = tuple(Cell(s, c, QUICK_APPEND, load) for s in QUICK_SHAPES for c in QUICK_CONTEXTS for load in loads)
+def quick_matrix(loads: tuple[bool, ...] = (False, True), load_at: str = "first") -> Matrix:
+    cells = tuple(Cell(s, c, QUICK_APPEND, load, load_at) for s in QUICK_SHAPES for c in QUICK_CONTEXTS
+                  for load in loads)
     return Matrix(cells, QUICK_DRAFT, QUICK_THRESHOLD, QUICK_BLOCK, QUICK_PREFILL_STEP)
 
 

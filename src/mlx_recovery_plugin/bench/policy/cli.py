@@ -30,7 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"tokens the next turn appends (default {APPEND}; an agent reading files appends thousands, "
                    "and the policy judges a conversation that has not grown yet at 512)")
     p.add_argument("--load", choices=("both", "off", "on"), default="both", help="cells with a competing CPU load "
-                   "during the first turn and recovery's idle time (default both)")
+                   "(default both)")
+    p.add_argument("--load-at", choices=("first", "next"), default="first", help="when a loaded cell's load runs: "
+                   "first (default): through the first turn and the first stretch of recovery's idle time, the next "
+                   "turn on a quiet machine; next: from the second stretch of idle time through the next turn, "
+                   "whose dense append and sparse rerun are then measured loaded too")
     p.add_argument("--load-processes", type=int, default=None, help="busy processes of the load (default: one per core)")
     p.add_argument("--repeats", type=int, default=2, help="dense/sparse pairs per cell (default 2)")
     p.add_argument("--budget", type=float, default=50.0, help="recovery budget, %% of wall time (default 50)")
@@ -53,13 +57,14 @@ def _run(args: argparse.Namespace) -> int:
     loads = {"both": (False, True), "off": (False,), "on": (True,)}[args.load]
     try:
         if args.quick:
-            matrix = quick_matrix(loads)
+            matrix = quick_matrix(loads, args.load_at)
         else:
             shapes = tuple(parse_shape(s, seed=30 + i) for i, s in enumerate(args.shapes)) if args.shapes else SHAPES
             if not 0 < args.append < THRESHOLD:
                 raise ValueError(f"--append must be between 1 and {THRESHOLD - 1} (the host's sparse threshold: a "
                                  f"longer turn goes sparse whatever is cached); got {args.append}")
-            matrix = full_matrix(shapes, tuple(args.contexts) if args.contexts else CONTEXTS, loads, args.append)
+            matrix = full_matrix(shapes, tuple(args.contexts) if args.contexts else CONTEXTS, loads, args.append,
+                                 args.load_at)
         if args.repeats < 1:
             raise ValueError("--repeats must be at least 1")
     except ValueError as exc:

@@ -9,7 +9,10 @@
   then has as much idle time as recovery asks for (a virtual clock skips the budget's
   waits; slices run for real). In a loaded cell a competing load runs through the first
   turn and the first stretch of idle time, then stops: the policy sees both a loaded and
-  a quiet machine before the next turn arrives on a quiet one. What it got (cached
+  a quiet machine before the next turn arrives on a quiet one. Loaded at the next turn
+  (``load_at`` ``next``), the other way round: a quiet first turn and first stretch, then
+  the load through the rest of the idle time and the next turn, whose truth (the pairs
+  and the rerun after it) is measured loaded too. What it got (cached
   tokens, time to first token) is what the policy decided; the policy's last decision
   and its estimates come from the plugin's status.
 """
@@ -39,6 +42,9 @@ LOADED_SHARE_OF_READ = 0.5
 IDLE_STEP_S = 2.0
 # Idle time after a turn without recovery: the host finishes its own work (cache writes).
 SETTLE_S = 1.0
+# Wall seconds a load started before a turn runs first (the busy processes up and the
+# machine seen busy, as a build that started a while before the turn).
+LOAD_SETTLE_S = 1.0
 # A later turn at most this much slower than the sparse route is not a loss.
 SLOWER_MARGIN = 1.1
 # A fully recovered prefix that makes the next turn at least this much faster must be
@@ -137,6 +143,7 @@ class CellResult:
             "shape": {"hidden": s.hidden_size, "layers": s.num_layers, "ffn": s.intermediate_size,
                       "heads": s.num_heads, "kv_heads": s.num_kv_heads, "seed": s.seed},
             "context": self.cell.context, "append": self.cell.append, "loaded": self.cell.loaded,
+            "load_at": self.cell.load_at,
             "dense_append_s": self.dense_append_s, "sparse_rerun_s": self.sparse_rerun_s,
             "dense_cached": self.dense_cached, "pays": self.pays, "pays_range": list(self.spread),
             "truth": self.truth, "verdict": self.verdict, "wrong": self.wrong, "cost_s": self.cost_s,
@@ -174,12 +181,17 @@ def measure_cell(
         off = OmlxArm("sparse_off", model, tokenizer, draft, config, Path(root) / "off")
         on = OmlxArm("sparse_on", model, tokenizer, draft, config, Path(root) / "on")
         arms = [off, on]
+        # Loaded at the next turn: the truth is that of a loaded machine too.
+        late = CompetingLoad(load_processes) if cell.loaded and cell.load_at == "next" else None
         try:
             off_first_s = off.serve(base, 0).row.ttft_s
             off.think(SETTLE_S)
             on.serve(base, 0)
             on.think(SETTLE_S)
             dense, sparse, cached = [], [], 0
+            if late is not None:
+                late.start()
+                time.sleep(LOAD_SETTLE_S)
             for k, prompt in enumerate(nexts):
                 first, second = (off, on) if k % 2 == 0 else (on, off)
                 for arm in (first, second):
@@ -190,19 +202,27 @@ def measure_cell(
                         cached = row.cached_tokens
                     else:
                         sparse.append(row.ttft_s)
+            if late is not None:
+                late.stop()
             rec = OmlxArm("sparse_recovery", model, tokenizer, draft, config, Path(root) / "rec")
             arms.append(rec)
-            # Loaded: the first turn and the first stretch of idle time (half what a
-            # quiet dense read of the prefix takes), then a quiet machine for the rest and
-            # the next turn, as when a user's build or another model ends.
+            # Loaded first: the first turn and the first stretch of idle time (half what
+            # a quiet dense read of the prefix takes), then a quiet machine for the rest
+            # and the next turn, as when a user's build or another model ends. Loaded at
+            # the next turn: the other way round, as when one starts.
             load_s = LOADED_SHARE_OF_READ * off_first_s
-            with CompetingLoad(load_processes) if cell.loaded else nullcontext() as load:
+            early = cell.loaded and late is None
+            with CompetingLoad(load_processes) if early else nullcontext() as load:
                 rec.serve(base, 0)
                 started = time.perf_counter()
-                while load is not None and time.perf_counter() - started < load_s and _offering(rec):
+                while (load is not None or late is not None) and time.perf_counter() - started < load_s \
+                        and _offering(rec):
                     rec.think(IDLE_STEP_S)
                 if load is not None:
                     load.stop()
+                if late is not None:
+                    late.start()
+                    time.sleep(LOAD_SETTLE_S)
                 rec.think(IDLE_CAP_S)
             assert rec.plugin is not None
             before = _engine_status(rec.plugin.status())
@@ -215,6 +235,8 @@ def measure_cell(
             after = on.serve(base + tokens(cell.append, seed + 1 + len(nexts)), len(nexts) + 1).row.ttft_s
             on.think(SETTLE_S)
         finally:
+            if late is not None:
+                late.stop()
             for arm in arms:
                 arm.close()
     jobs = before.get("jobs", [])
@@ -227,7 +249,8 @@ def measure_cell(
         policy={k: before.get("policy", {}).get(k) for k in
                 ("verdict", "reason", "dense_append_s", "sparse_rerun_s", "dense_cost_samples")}
         | {"job_reason": job_reason(jobs), **host_factor_after(turned),
-           "at_request": turned.get("at_last_request"), "carried": turned.get("sparse_carried_over")},
+           "at_request": turned.get("at_last_request"), "carried": turned.get("sparse_carried_over"),
+           "regime_at_turn": turned.get("load_regime")},
         tokens_run=int(counters.get("tokens_run", 0)), tokens_recovered=int(counters.get("tokens_recovered", 0)),
         idle_s=rec.result.recovery_seconds,
         arrival_publish_s=float(counters.get("arrival_publish_seconds", 0.0)),

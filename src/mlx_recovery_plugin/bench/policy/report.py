@@ -65,7 +65,7 @@ class PolicyReport:
                                   intermediate_size=s["ffn"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
                                   seed=s["seed"])
             report.results.append(CellResult(
-                cell=Cell(shape, c["context"], c["append"], c["loaded"]),
+                cell=Cell(shape, c["context"], c["append"], c["loaded"], c.get("load_at", "first")),
                 dense_append_s=c["dense_append_s"], sparse_rerun_s=c["sparse_rerun_s"],
                 dense_cached=c["dense_cached"], recovery_turn_s=c["recovery_turn_s"],
                 recovery_cached=c["recovery_cached"], verdict=c["verdict"], policy=c["policy"],
@@ -80,7 +80,7 @@ def format_report(report: PolicyReport) -> str:
         f"bench policy: {len(report.results)} cells, budget {report.budget_pct:g} %, "
         f"host threshold {report.threshold}, BLAS {report.blas}",
         "truth: the host's cached dense append of the next turn against its sparse rerun, "
-        f"{report.repeats} pair(s) alternating, on a quiet machine",
+        f"{report.repeats} pair(s) alternating, on a quiet machine (loaded, in cells loaded at the next turn)",
         "",
         f"{'cell':<44} {'dense s':>8} {'sparse s':>8} {'pays':>5} {'range':>11} {'truth':>6} "
         f"{'verdict':>10} {'rec s':>7} {'rec/sp':>6} {'cached':>7} {'kept':>5} {'cost s':>6}",
