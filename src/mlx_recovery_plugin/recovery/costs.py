@@ -236,6 +236,14 @@ class DenseCostModel:
         the probe's own run)."""
         return max((at for band in self._bands.values() for _, at in band.samples), default=0.0)
 
+    def spans(self, tokens: int, context: int) -> bool:
+        """A pass of ``tokens`` over ``context`` attends within the positions the samples
+        saw (from :data:`SUPPORT_REACH` below the nearest to as far past the furthest):
+        where the model's answer is a reading of evidence, not an extrapolation."""
+        at = context + tokens / 2.0
+        seen = [p for band in self._bands.values() for _, p in band.samples]
+        return bool(seen) and min(seen) / SUPPORT_REACH <= at <= SUPPORT_REACH * max(seen)
+
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token, and per token per attended position; None until
         :attr:`fitted`. Both are kept non-negative."""

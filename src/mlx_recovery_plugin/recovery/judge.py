@@ -388,14 +388,19 @@ class PublishJudge:
 
     def _carried(self, route: RouteMemory, keep: float) -> tuple[Regime, float] | None:
         """The regime a sparse turn of the conversation was measured in, and the factor that
-        carries it to the current one (:func:`carry_factor`); None where it cannot be told.
-        The status shows the last one taken."""
+        carries it to the current one (:func:`carry_factor`: the two regimes' dense costs
+        compared at its kept share where both have evidence there, and the CPU's fair
+        share); None where it cannot be told. The status shows the last one taken."""
         for regime, sample in route.sparse.items():
             if regime is self.regime:
                 continue
             kept = max(1, round(keep * sample.tokens))
             here, there = self.costs.seconds(kept, 0), self._models[regime].seconds(kept, 0)
-            by_costs = here / there if here and there else None
+            # Compared only where both regimes' slices reached: a job's frontier moves on,
+            # so the regime it switched to has seen other contexts, and two fits read
+            # beyond their evidence differed from what the load did by 0.3-2.7x (bench policy).
+            comparable = self.costs.spans(kept, 0) and self._models[regime].spans(kept, 0)
+            by_costs = here / there if here and there and comparable else None
             by_share = cpu_share_factor(sample.others_share, self._load.last_share)
             factor = carry_factor(by_costs, by_share)
             if factor is None:
