@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -234,15 +235,19 @@ class DenseCostModel:
         rate; else a faster sample a little lower in the top band would take support away
         from what was already measured (a whole prefix held "not yet clear" at the end of
         the probe's own run)."""
-        return max((at for band in self._bands.values() for _, at in band.samples), default=0.0)
+        return max(self._attended(), default=0.0)
 
     def spans(self, tokens: int, context: int) -> bool:
         """A pass of ``tokens`` over ``context`` attends within the positions the samples
         saw (from :data:`SUPPORT_REACH` below the nearest to as far past the furthest):
         where the model's answer is a reading of evidence, not an extrapolation."""
         at = context + tokens / 2.0
-        seen = [p for band in self._bands.values() for _, p in band.samples]
-        return bool(seen) and min(seen) / SUPPORT_REACH <= at <= SUPPORT_REACH * max(seen)
+        nearest = min(self._attended(), default=None)
+        return nearest is not None and nearest / SUPPORT_REACH <= at <= SUPPORT_REACH * self.support
+
+    def _attended(self) -> Iterator[float]:
+        """The mean attended position of every recent sample of every band."""
+        return (at for band in self._bands.values() for _, at in band.samples)
 
     def coefficients(self) -> tuple[float, float] | None:
         """``(a, b)``: seconds per token, and per token per attended position; None until
@@ -463,7 +468,8 @@ def decide(
     probe_pays = (dense.mid <= PROBE_BAR_AT_ARRIVAL * beat if length_known
                   else dense.mid <= beat and slices is not None and slices.high <= margin * beat)
     # A probe bets one turn within a few per cent: on a sparse cost carried over from
-    # another load regime (off by 0.5-1.4x on oMLX's scheduler), that bet is not known.
+    # another load regime (0.80-1.29x the truth in bench policy's loaded cells), that bet
+    # is not known.
     if may_probe and measured_here and dense.supported and slices is not None and probe_pays:
         return Decision(
             Verdict.PUBLISH,

@@ -451,10 +451,10 @@ class PublishJudge:
                 "reason": decision.reason if decision else None,
                 "dense_append_s": decision.dense_s if decision else None,
                 "sparse_rerun_s": decision.sparse_s if decision else None,
-                # What the last request that continued a held conversation was given
-                # (later verdicts in idle time replace ``verdict`` and ``reason``).
                 # The last sparse turn carried over from the other load regime, and how.
                 "sparse_carried_over": self._carried_last,
+                # What the last request that continued a held conversation was given
+                # (later verdicts in idle time replace ``verdict`` and ``reason``).
                 "at_last_request": None if self._at_request is None else {
                     "verdict": self._at_request.verdict.value, "reason": self._at_request.reason,
                     "dense_append_s": self._at_request.dense_s, "sparse_rerun_s": self._at_request.sparse_s,

@@ -215,8 +215,7 @@ def measure_cell(
             with CompetingLoad(load_processes) if early else nullcontext() as load:
                 rec.serve(base, 0)
                 started = time.perf_counter()
-                while (load is not None or late is not None) and time.perf_counter() - started < load_s \
-                        and _offering(rec):
+                while cell.loaded and time.perf_counter() - started < load_s and _offering(rec):
                     rec.think(IDLE_STEP_S)
                 if load is not None:
                     load.stop()
