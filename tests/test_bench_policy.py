@@ -153,6 +153,8 @@ def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Pa
     report.write_json(tmp_path / "policy.json")
     saved = json.loads((tmp_path / "policy.json").read_text())
     assert [c["loaded"] for c in saved["cells"]] == [False, True] * 4
+    # A loaded cell's load runs through the first turn, not the next one.
+    assert [c["load_at_turns"] for c in saved["cells"]] == [[False, False], [True, False]] * 4
     assert set(saved["goals"]) == set(report.goals())
     again = PolicyReport.read_json(tmp_path / "policy.json")
     assert format_report(again) == format_report(report)
@@ -176,6 +178,7 @@ def test_a_cell_loaded_at_the_next_turn_serves_that_turn_on_a_busy_machine(
     report = run_matrix(matrix, tmp_path, repeats=1)
     (r,) = report.results
     assert r.cell.label.endswith("loaded at next")
+    assert r.load_at_turns == (False, True)  # quiet first turn, loaded next one
     assert r.policy["regime_at_turn"] == "busy"
     assert r.tokens_recovered <= r.tokens_run
     report.write_json(tmp_path / "policy.json")

@@ -69,6 +69,9 @@ class CellResult:
     idle_s: float = 0.0
     #: The sparse rerun measured again right after the turn with recovery (None: not).
     sparse_after_s: float | None = None
+    #: Whether the competing load ran when the recovery arm served its first turn, and
+    #: its next one.
+    load_at_turns: tuple[bool, bool] = (False, False)
 
     @property
     def dense_s(self) -> float:
@@ -148,6 +151,7 @@ class CellResult:
             "dense_cached": self.dense_cached, "pays": self.pays, "pays_range": list(self.spread),
             "truth": self.truth, "verdict": self.verdict, "wrong": self.wrong, "cost_s": self.cost_s,
             "slow_turn": self.slow_turn, "sparse_after_s": self.sparse_after_s,
+            "load_at_turns": list(self.load_at_turns),
             "recovery_turn_s": self.recovery_turn_s, "recovery_cached": self.recovery_cached,
             "turn_ratio": self.turn_ratio, "tokens_run": self.tokens_run,
             "tokens_recovered": self.tokens_recovered, "committed_share": self.committed_share,
@@ -213,6 +217,7 @@ def measure_cell(
             load_s = LOADED_SHARE_OF_READ * off_first_s
             early = cell.loaded and late is None
             with CompetingLoad(load_processes) if early else nullcontext() as load:
+                loaded_first = any(x is not None and x.running for x in (load, late))
                 rec.serve(base, 0)
                 started = time.perf_counter()
                 while cell.loaded and time.perf_counter() - started < load_s and _offering(rec):
@@ -225,6 +230,7 @@ def measure_cell(
                 rec.think(IDLE_CAP_S)
             assert rec.plugin is not None
             before = _engine_status(rec.plugin.status())
+            loaded_next = late is not None and late.running
             row = rec.serve(nexts[0], 1).row
             rec.think(SETTLE_S)
             after_turn = _engine_status(rec.plugin.status())
@@ -243,6 +249,7 @@ def measure_cell(
     counters = after_turn.get("counters", {})
     return CellResult(
         cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached, sparse_after_s=after,
+        load_at_turns=(loaded_first, loaded_next),
         recovery_turn_s=row.ttft_s, recovery_cached=row.cached_tokens,
         verdict=_verdict(row.cached_tokens, cached, matrix.block, jobs, counters),
         policy={k: before.get("policy", {}).get(k) for k in

@@ -70,7 +70,7 @@ class PolicyReport:
                 dense_cached=c["dense_cached"], recovery_turn_s=c["recovery_turn_s"],
                 recovery_cached=c["recovery_cached"], verdict=c["verdict"], policy=c["policy"],
                 tokens_run=c["tokens_run"], tokens_recovered=c["tokens_recovered"], idle_s=c["idle_s"],
-                sparse_after_s=c.get("sparse_after_s"),
+                sparse_after_s=c.get("sparse_after_s"), load_at_turns=tuple(c.get("load_at_turns", (False, False))),
             ))
         return report
 
