@@ -143,6 +143,7 @@ def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Pa
     assert len(report.results) == len(matrix.cells) == 8
     for r in report.results:
         assert len(r.dense_append_s) == len(r.sparse_rerun_s) == 2
+        assert r.recovery_turns_s == [r.recovery_turn_s]  # a quiet turn is served once
         assert r.dense_cached == r.cell.context  # the dense route cached the whole first turn
         assert r.verdict in ("published", "partial", "held", "stood_down", "nothing")
         if r.published:
@@ -175,14 +176,21 @@ def test_a_cell_loaded_at_the_next_turn_serves_that_turn_on_a_busy_machine(
     monkeypatch.setattr(machine_load, "read_counters", REAL_COUNTERS)
     matrix = quick_matrix(loads=(True,), load_at="next")
     matrix = dataclasses.replace(matrix, cells=matrix.cells[:1])
-    report = run_matrix(matrix, tmp_path, repeats=1)
+    report = run_matrix(matrix, tmp_path, repeats=2)
     (r,) = report.results
     assert r.cell.label.endswith("loaded at next")
     assert r.load_at_turns == (False, True)  # quiet first turn, loaded next one
     assert r.policy["regime_at_turn"] == "busy"
     assert r.tokens_recovered <= r.tokens_run
+    # The loaded turn is served twice on the route the policy left (nothing new published
+    # in between: the same prefix restored), and counts at the median.
+    assert len(r.recovery_turns_s) == 2
+    assert r.recovery_turns_cached == [r.recovery_cached] * 2
+    assert r.recovery_turn_s == pytest.approx(sum(r.recovery_turns_s) / 2)
     report.write_json(tmp_path / "policy.json")
-    assert PolicyReport.read_json(tmp_path / "policy.json").results[0].cell.load_at == "next"
+    again = PolicyReport.read_json(tmp_path / "policy.json").results[0]
+    assert again.cell.load_at == "next"
+    assert again.recovery_turns_s == r.recovery_turns_s
 
 
 def test_the_competing_load_starts_once_and_stops_in_place() -> None:

@@ -71,6 +71,8 @@ class PolicyReport:
                 recovery_cached=c["recovery_cached"], verdict=c["verdict"], policy=c["policy"],
                 tokens_run=c["tokens_run"], tokens_recovered=c["tokens_recovered"], idle_s=c["idle_s"],
                 sparse_after_s=c.get("sparse_after_s"), load_at_turns=tuple(c.get("load_at_turns", (False, False))),
+                recovery_turns_s=c.get("recovery_turns_s", [c["recovery_turn_s"]]),
+                recovery_turns_cached=c.get("recovery_turns_cached", [c["recovery_cached"]]),
             ))
         return report
 
