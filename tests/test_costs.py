@@ -432,6 +432,36 @@ def test_a_first_turn_carried_over_from_a_loaded_machine_counts_its_draft_readin
     assert decision.sparse_s == pytest.approx(fair * (16.0 - 5.2 + 5.2 * 600 / 8704) * 1.07, rel=0.03)
 
 
+def test_the_status_shows_the_carry_behind_the_last_verdict_not_another_conversations() -> None:
+    """Ordering the work weighs every conversation's expected saving, each carrying its own
+    sparse turn across the regimes; the status's ``sparse_carried_over`` must still say
+    what the last verdict was taken on (it showed the last conversation weighed)."""
+    from mlx_recovery_plugin.events import SparseRouteServed
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    first = RecoveryJob(1, tuple(range(8704)), 8704)
+    other = RecoveryJob(2, tuple(range(100_000, 106_000)), 6000)
+    counters.advance(10.0, others=1.0)
+    for job, prefill_s, door_s in ((first, 8.0, 5.2), (other, 12.0, 3.0)):
+        judge.note_route(job, SparseRouteServed("e", f"r{job.job_id}", "m", job.tokens, 0, len(job.tokens),
+                                                threshold=8192, keep=0.2, prefill_s=prefill_s, door_s=door_s),
+                         appended=None, now=0.0)
+    for busy, slowdown in ((1.0, 2.0), (0.0, 1.0)):
+        for context in (0, 1024, 2048):
+            counters.advance(5.0, others=busy)
+            judge.observe(context, 1024, slowdown * 1024 * (2e-3 + 1e-7 * (context + 512)))
+    assert judge.regime.value == "quiet"
+    judge.judge(first, 8704, next_tokens=8704 + 600)
+    assert (judge.status()["sparse_carried_over"]["seconds"], judge.status()["sparse_carried_over"]["tokens"]) == (
+        8.0, 8704)
+    assert judge.expected_saving(other, now=0.0) > 0  # weighed on its own carried-over turn
+    counters.advance(5.0, others=0.0)
+    judge.observe(3072, 1024, 1024 * (2e-3 + 1e-7 * (3072 + 512)))  # the status is built again
+    assert judge.status()["sparse_carried_over"]["seconds"] == 8.0  # still the verdict's
+
+
 def test_the_regimes_dense_costs_are_compared_only_where_both_have_evidence() -> None:
     """Slices at the same contexts in both regimes (another conversation's, say) compare
     the regimes where the kept pass attends: here the load slowed them by 1.25x, milder

@@ -107,6 +107,16 @@ class RouteMemory:
         return min(alike, key=per_token)
 
 
+@dataclass(slots=True, frozen=True)
+class _Carry:
+    """A sparse turn measured in ``regime``, carried to the current one at ``factor``;
+    ``record``: what the status shows of it."""
+
+    regime: Regime
+    factor: float
+    record: dict[str, Any]
+
+
 class PublishJudge:
     """Publish, hold or stand down, for one engine's jobs."""
 
@@ -239,7 +249,7 @@ class PublishJudge:
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
-            measured = self._sparse_sample(route, keep)
+            measured = self._sparse_sample(route, self._carried(route, keep))
             sparse = sparse_rerun_seconds(self.costs, len(event.tokens), keep, measured) if measured else None
             self._last_turn = {
                 "cached_tokens": event.cached_tokens,
@@ -261,7 +271,8 @@ class PublishJudge:
         full = job.publish_end(self.block_size)
         next_tokens = len(job.tokens) + self.next_append(route)
         keep = route.keep if route.keep is not None else DEFAULT_KEEP
-        sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, self._sparse_sample(route, keep))
+        measured = self._sparse_sample(route, self._carried(route, keep))
+        sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, measured)
         if sparse is None:
             return 0.0
         dense = self.costs.seconds(max(0, next_tokens - full), full) or 0.0
@@ -292,6 +303,9 @@ class PublishJudge:
             route = self._routes.get(job.job_id) or RouteMemory()
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
             appended = self.next_append(route) if next_tokens is None else max(0, next_tokens - len(job.tokens))
+            carried = self._carried(route, keep)
+            if carried is not None:
+                self._carried_last = carried.record
             decision = decide(
                 self.costs,
                 boundary=boundary,
@@ -299,8 +313,8 @@ class PublishJudge:
                 next_tokens=len(job.tokens) + appended,
                 threshold=route.threshold,
                 keep=keep,
-                measured=self._sparse_sample(route, keep),
-                cheapest=self._cheapest(route, keep, appended),
+                measured=self._sparse_sample(route, carried),
+                cheapest=self._cheapest(route, appended, carried),
                 measured_here=self.regime in route.sparse,
                 host_factor=self._host_append.value,
                 may_probe=self._probe.may_probe(job.job_id, self._host_append.measured),
@@ -359,38 +373,37 @@ class PublishJudge:
             self._switches += 1
         return self.regime
 
-    def _sparse_sample(self, route: RouteMemory, keep: float) -> SparseSample | None:
+    def _sparse_sample(self, route: RouteMemory, carried: _Carry | None) -> SparseSample | None:
         """The conversation's sparse turn as it would cost in the current regime: one
-        measured in it; else one measured in the other regime, carried over
+        measured in it; else one measured in the other regime, ``carried`` over
         (:meth:`_carried`); else None."""
         own = route.sparse.get(self.regime)
         if own is not None:
             return own
-        carried = self._carried(route, keep)
         if carried is None:
             return None
-        regime, factor = carried
-        return route.sparse[regime].scaled(factor)
+        return route.sparse[carried.regime].scaled(carried.factor)
 
-    def _cheapest(self, route: RouteMemory, keep: float, appended: int) -> SparseSample | None:
+    def _cheapest(self, route: RouteMemory, appended: int, carried: _Carry | None) -> SparseSample | None:
         """The cheapest recent sparse turn as a rerun that grew by ``appended``
         (:meth:`RouteMemory.cheapest`), in the current regime; where none was measured in
         it, the other regime's, carried over as the latest is: a carried-over first turn
         counts its door's reading of the whole prompt, which a rerun does not pay."""
         if self.regime in route.recent:
             return route.cheapest(self.regime, appended, self._door.value)
-        carried = self._carried(route, keep)
         if carried is None:
             return None
-        regime, factor = carried
-        cheapest = route.cheapest(regime, appended, self._door.value)
-        return None if cheapest is None else cheapest.scaled(factor)
+        cheapest = route.cheapest(carried.regime, appended, self._door.value)
+        return None if cheapest is None else cheapest.scaled(carried.factor)
 
-    def _carried(self, route: RouteMemory, keep: float) -> tuple[Regime, float] | None:
+    def _carried(self, route: RouteMemory, keep: float) -> _Carry | None:
         """The regime a sparse turn of the conversation was measured in, and the factor that
         carries it to the current one (:func:`carry_factor`: the two regimes' dense costs
         compared at its kept share where both have evidence there, and the CPU's fair
-        share); None where it cannot be told. The status shows the last one taken."""
+        share); None where it cannot be told, or where the current regime has its own
+        turn. :meth:`judge` shows in the status the last one a verdict took."""
+        if self.regime in route.sparse and self.regime in route.recent:
+            return None
         for regime, sample in route.sparse.items():
             if regime is self.regime:
                 continue
@@ -405,15 +418,14 @@ class PublishJudge:
             factor = carry_factor(by_costs, by_share)
             if factor is None:
                 continue
-            self._carried_last = {
+            return _Carry(regime, factor, {
                 "from": regime.value, "tokens": sample.tokens, "seconds": round(sample.seconds, 4),
                 "door_s": None if sample.door_s is None else round(sample.door_s, 4),
                 "factor": round(factor, 4),
                 "by_dense_costs": None if by_costs is None else round(by_costs, 4),
                 "by_cpu_share": None if by_share is None else round(by_share, 4),
                 "others_share_then": sample.others_share, "others_share_now": self._load.last_share,
-            }
-            return regime, factor
+            })
         return None
 
     def _build_status(self) -> MappingProxyType[str, Any]:
