@@ -378,3 +378,92 @@ def test_turns_the_other_arm_sent_together_reach_the_host_in_its_order_waiting_a
         assert sent[("A", 2)] - sent[("B", 2)] >= 0.05 - 0.005
     else:
         assert 0.3 + ORDER_WAIT_S - 0.01 <= sent[("A", 2)] < sent[("B", 2)]
+
+
+class _Load:
+    """A stand-in for the competing load (what the test is about is its window): when it
+    started and stopped, on which thread."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, str]] = []
+        self.running = False
+
+    def start(self) -> None:
+        self.running = True
+        self.events.append(("start", time.monotonic(), threading.current_thread().name))
+
+    def stop(self) -> None:
+        if self.running:
+            self.events.append(("stop", time.monotonic(), threading.current_thread().name))
+        self.running = False
+
+
+def _quick_client(fail_on: str | None = None, sent: list[tuple[str, float]] | None = None):
+    def make() -> SimpleNamespace:
+        def create(*, messages, **kw):
+            if sent is not None:
+                sent.append((messages[-1]["content"], time.monotonic()))
+            if fail_on and fail_on in messages[-1]["content"]:
+                raise ConnectionError("the server went away")
+            prompt = sum(len(m["content"]) for m in messages)
+            usage = SimpleNamespace(prompt_tokens=prompt, completion_tokens=1,
+                                    prompt_tokens_details=SimpleNamespace(cached_tokens=0))
+            return iter([_chunk("x"), _chunk(usage=usage)])
+
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+
+    return make
+
+
+def test_a_load_runs_from_the_start_until_the_first_conversation_sends_its_second_turn() -> None:
+    """``--load-first-turn`` in a concurrent session: the load is on for every turn sent
+    before the first conversation's second turn, off from that turn on, and started and
+    stopped on the caller's thread only."""
+    session = sessions.concurrent(sessions.Shape(context_chars=300, turns=2), think_s=1.0, conversations=2)
+    load = _Load()
+    run = ArmRun("sparse_recovery")
+    serve_concurrently(session, make_client=_quick_client(), model="m", max_tokens=1, absent_cached_is_zero=False,
+                       read_status=None, progress=lambda line: None, tag="t", run=run, load=load)  # type: ignore[arg-type]
+    assert [e[0] for e in load.events] == ["start", "stop"]
+    assert {e[2] for e in load.events} == {threading.current_thread().name}
+    by_turn = {(r.conversation, r.turn): r for r in run.steps}
+    assert run.load_s is not None and run.load_s[0] == 0.0
+    assert by_turn[("A", 2)].sent_s >= run.load_s[1]  # the first conversation's second turn: quiet
+    assert [(r.conversation, r.turn, r.loaded) for r in run.steps] == [
+        (r.conversation, r.turn, r.sent_s < run.load_s[1]) for r in run.steps]
+    assert by_turn[("A", 1)].loaded and by_turn[("B", 1)].loaded  # B starts ~0.5 s in, A's turn 2 ~0.95 s
+    assert not by_turn[("A", 2)].loaded and not by_turn[("B", 2)].loaded
+
+
+def test_the_load_is_stopped_when_a_turn_fails() -> None:
+    session = sessions.concurrent(sessions.Shape(context_chars=300, turns=2), think_s=0.4, conversations=2)
+    first = session.steps[0].messages[-1]["content"]
+    load = _Load()
+    with pytest.raises(ConnectionError, match="went away"):
+        serve_concurrently(session, make_client=_quick_client(fail_on=first), model="m", max_tokens=1,
+                           absent_cached_is_zero=False, read_status=None, progress=lambda line: None, tag="t",
+                           run=ArmRun("sparse_on"), load=load)  # type: ignore[arg-type]
+    assert [e[0] for e in load.events] == ["start", "stop"] and not load.running
+
+
+def test_idle_time_under_the_load_counts_at_the_loaded_rate_in_the_best_reachable() -> None:
+    """As the test above it (budget 50 %, 9,000-token prompts, a quiet dense rate of 1,000
+    tokens/s), but a load ran until 44 s and sparse off's loaded first turn read 500
+    tokens/s: B's 29 idle seconds before its turn 2, 26 of them under the load, re-read
+    8,000 tokens, short of 9,000 (14,500 without the load): that turn counts at sparse
+    on's time."""
+    timings = [("A", 1, 9000, 0.0, 9.0), ("B", 1, 9000, 5.0, 17.0), ("A", 2, 9600, 29.0, 30.0),
+               ("B", 2, 9600, 47.0, 48.0)]
+    arms = {}
+    for arm, ttfts in (("sparse_off", [18.0, 18.0, 1.0, 1.1]), ("sparse_on", [2.0, 4.0, 3.0, 3.2]),
+                       ("sparse_recovery", [2.0, 4.0, 3.0, 3.2])):
+        run = ArmRun(arm)
+        for i, ((conv, turn, prompt, sent, done), ttft) in enumerate(zip(timings, ttfts)):
+            run.steps.append(_record(i + 1, conv, turn, prompt, ttft, sent, done))
+        arms[arm] = run
+    arms["sparse_off"].steps[0].loaded = True
+    quiet = best_reachable_steps(arms["sparse_off"], arms["sparse_on"], arms["sparse_recovery"], 50.0, 1000.0)
+    assert quiet == [2.0, 4.0, 3.0, 1.1]
+    arms["sparse_recovery"].load_s = (0.0, 44.0)
+    loaded = best_reachable_steps(arms["sparse_off"], arms["sparse_on"], arms["sparse_recovery"], 50.0, 1000.0)
+    assert loaded == [2.0, 4.0, 3.0, 3.2]

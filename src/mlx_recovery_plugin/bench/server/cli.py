@@ -76,7 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-first-turn", action="store_true",
                    help="a competing CPU load (a busy loop per core) from each arm's first turn until its second is "
                    "sent, every arm waiting that first think time out: every arm's first turn and gap run on a loaded "
-                   "machine, the later turns on a quiet one (agent, interleaved, fork, gaps and curve sessions)")
+                   "machine, the later turns on a quiet one; in a concurrent session, from its start until its first "
+                   "conversation's second turn is sent")
     p.add_argument("--settle", type=float, default=0.0, metavar="S",
                    help="the recovery arm stays idle S seconds after its last answer and the plugin's status is "
                    "read again: committed / run once that time has passed, beside the figure at the session's "

@@ -10,11 +10,15 @@ other arm sent within ``ORDER_WINDOW_S`` of each other are sent in its order and
 least its spacing apart (each waits at most ``ORDER_WAIT_S`` past its own time). Records land
 in the session's step order, whatever order the answers came in, so the arms compare
 step by step. A turn's sparse route cannot be told from the log when several run at once;
-the arm's total of sparse requests is counted instead.
+the arm's total of sparse requests is counted instead. Given a competing ``load``
+(``--load-first-turn``), it runs from the session's start until the first conversation
+is about to send its second turn, and the turns sent before it stopped are marked loaded.
 
 Threads: one per conversation, each with its own client; ``run.steps`` slots are each
 written by one thread and read after every thread has joined. The first error in a
-thread stops the others' next sends and is raised on the caller's thread.
+thread stops the others' next sends and is raised on the caller's thread. The load is
+started and stopped on the caller's thread only: the first conversation's thread asks for
+the stop and waits until it is done.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..policy.load import CompetingLoad
 from .client import send_turn
 from .report import ArmRun, StepRecord, status_figures
 from .sessions import Session, Step
@@ -35,6 +40,8 @@ from .sessions import Session, Step
 # (a conversation this arm serves more slowly does not hold the others back).
 ORDER_WINDOW_S = 0.5
 ORDER_WAIT_S = 1.0
+# The longest the first conversation's second turn waits for the load to stop.
+LOAD_STOP_WAIT_S = 30.0
 
 Progress = Callable[[str], None]
 ReadStatus = Callable[[], dict[str, Any]]
@@ -43,12 +50,13 @@ ReadStatus = Callable[[], dict[str, Any]]
 def serve_concurrently(
     session: Session, *, make_client: Callable[[], Any], model: str, max_tokens: int, absent_cached_is_zero: bool,
     read_status: ReadStatus | None, progress: Progress, tag: str, run: ArmRun,
-    not_before: Sequence[float | None] | None = None,
+    not_before: Sequence[float | None] | None = None, load: CompetingLoad | None = None,
 ) -> None:
     """Serve ``session`` (``session.concurrent``) into ``run.steps``; ``read_status``: the
     recovery arm's status after each turn and once at the end (``run.final_status``);
     ``not_before``: per step, seconds into the session before which it is not sent (None:
-    its own schedule only)."""
+    its own schedule only); ``load``: run from the start until the first conversation's
+    second turn (``run.load_s``), and stopped whatever happens."""
     if not_before is not None and len(not_before) != len(session.steps):
         raise ValueError(f"{tag}: {len(not_before)} arrival times for {len(session.steps)} steps")
     by_conversation: dict[str, list[tuple[int, Step]]] = {}
@@ -62,6 +70,14 @@ def serve_concurrently(
     before = _sent_before(session.steps, not_before)
     errors: list[BaseException] = []
     failed = threading.Event()
+    first_conversation = session.steps[0].conversation if session.steps else None
+    # Set by the first conversation's thread before its second turn (or when it ends);
+    # the caller's thread then stops the load and sets the other.
+    stop_load, load_stopped = threading.Event(), threading.Event()
+    if load is None:
+        load_stopped.set()
+    else:
+        load.start()
     started = time.monotonic()
 
     def conversation(steps: list[tuple[int, Step]]) -> None:
@@ -86,6 +102,9 @@ def serve_concurrently(
                         return
                 if failed.is_set():
                     return
+                if n == 1 and step.conversation == first_conversation:
+                    stop_load.set()
+                    load_stopped.wait(LOAD_STOP_WAIT_S)
                 sent = time.monotonic() - started
                 sent_at[index] = sent
                 sent_here[index].set()
@@ -107,15 +126,32 @@ def serve_concurrently(
         except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
             errors.append(exc)
             failed.set()
+        finally:
+            if steps[0][1].conversation == first_conversation:
+                stop_load.set()
 
     threads = [threading.Thread(target=conversation, args=(steps,), name=f"bench-conv-{name}", daemon=True)
                for name, steps in by_conversation.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.start()
+        if load is not None:
+            stop_load.wait()
+            load.stop()
+            run.load_s = (0.0, round(time.monotonic() - started, 3))
+            load_stopped.set()
+        for thread in threads:
+            thread.join()
+    finally:
+        if load is not None:
+            load.stop()
+            load_stopped.set()
     if errors:
         raise errors[0]
+    if run.load_s is not None:
+        for slot in slots:
+            if slot is not None and slot.sent_s is not None and slot.sent_s < run.load_s[1]:
+                slot.loaded = True
     run.steps.extend(slot for slot in slots if slot is not None)
     if len(run.steps) != len(session.steps):
         raise RuntimeError(f"{tag}: {len(session.steps) - len(run.steps)} step(s) were not served")

@@ -78,6 +78,8 @@ class ArmRun:
     arrivals_from: str | None = None  # concurrent: no turn was sent before this arm sent it (--arrivals)
     settled_status: dict[str, Any] | None = None  # recovery arm: the status settle_s after the last answer
     settle_s: float = 0.0  # how long the recovery arm stayed idle after its last answer (--settle)
+    # concurrent, --load-first-turn: seconds into the session the competing load ran (from, to)
+    load_s: tuple[float, float] | None = None
 
     @property
     def end_status(self) -> dict[str, Any] | None:
@@ -177,7 +179,8 @@ def _rereadable(off: ArmRun, rec: ArmRun, dense_rate: float | None = None) -> Ca
     and the quiet gaps at ``dense_rate`` (the cost balance's, measured alone), as the
     loaded first turn says nothing of a quiet machine. A concurrent session (every step
     timed): the time no request was in flight, at ``dense_rate`` if given, else the
-    fastest sparse-off first turn (the others queued)."""
+    fastest sparse-off first turn (the others queued); where the load ran in the recovery
+    arm (``rec.load_s``), that time at the rate of sparse off's first loaded turn."""
 
     def off_rate(i: int) -> float:
         return off.steps[i].prompt_tokens / max(off.steps[i].ttft_s, 1e-9)
@@ -188,7 +191,17 @@ def _rereadable(off: ArmRun, rec: ArmRun, dense_rate: float | None = None) -> Ca
         fastest = max((off_rate(i) for i, a in enumerate(off.steps) if a.turn == 1 and not a.label), default=0.0)
         if dense_rate is not None:
             fastest = dense_rate
-        return lambda first, index: fastest * _idle_seconds(busy, busy[first][1], busy[index][0])
+        loaded_turns = [i for i, step in enumerate(off.steps) if step.loaded]
+        if rec.load_s is None or not loaded_turns:
+            return lambda first, index: fastest * _idle_seconds(busy, busy[first][1], busy[index][0])
+        slow, (_, until) = off_rate(loaded_turns[0]), rec.load_s
+
+        def concurrent_loaded(first: int, index: int) -> float:
+            start, end = busy[first][1], busy[index][0]
+            under = _idle_seconds(busy, start, min(end, until)) if start < until else 0.0
+            return slow * under + fastest * (_idle_seconds(busy, start, end) - under)
+
+        return concurrent_loaded
     loaded = [i for i, step in enumerate(off.steps) if step.loaded]
     loaded_rate = off_rate(loaded[0]) if loaded else None
 
@@ -509,7 +522,8 @@ def format_report(report: BenchReport) -> str:
     ]
     if report.load_first_turn:
         lines.append("a competing CPU load (a busy loop per core) ran from each arm's first turn until its second "
-                     "was sent (sequential sessions), every arm waiting that first think time out in full")
+                     "was sent (sequential sessions), every arm waiting that first think time out in full; in a "
+                     "concurrent session, from its start until the first conversation's second turn was sent")
     if report.balance is None:
         raise ValueError("the report has no cost balance (a missing measurement)")
     lines.append(report.balance["describe"])

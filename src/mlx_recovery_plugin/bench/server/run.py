@@ -180,6 +180,7 @@ def run_arm(
                 read_status=(lambda: _read_status(server)) if arm == "sparse_recovery" else None,
                 progress=progress, tag=tag, run=run,
                 not_before=[s.sent_s for s in not_before.steps] if not_before is not None else None,
+                load=CompetingLoad() if config.load_first_turn else None,
             )
             after = sparse_lines(config.host, server.log_text())
             run.sparse_requests = None if before is None or after is None else after - before
@@ -364,8 +365,6 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         session = sessions_mod.build(name, config.shape, config.think_s, config.conversations)
         sizes = sessions_mod.token_sizes(session, count)
         notes = size_notes(config, pair, sizes)
-        if config.load_first_turn and session.concurrent:
-            notes.append("note: --load-first-turn applies to sequential sessions; this one runs on a quiet machine")
         progress(f"[{name}] sizes in the target's tokens: {sizes.describe()}")
         for note in notes:
             progress(f"[{name}] {note}")
