@@ -432,6 +432,27 @@ def test_a_first_turn_carried_over_from_a_loaded_machine_counts_its_draft_readin
     assert decision.sparse_s == pytest.approx(fair * (16.0 - 5.2 + 5.2 * 600 / 8704) * 1.07, rel=0.03)
 
 
+def test_a_turn_sent_as_a_load_ends_is_timed_in_the_regime_it_ran_in() -> None:
+    """A build kept one core of two busy through the first gap and ended as the next turn
+    was sent. The turn ran on a quiet machine: its sparse time is the quiet regime's, not
+    the busy one's (read together with the gap it was, and carried back to the quiet
+    machine at the fair share it read ~0.65x what the host's sparse turns took)."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+    from mlx_recovery_plugin.recovery.machine_load import Regime
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(9499)), 8704)
+    counters.advance(30.0, others=1.0, own=0.0)  # the gap: a build on one core, nothing here
+    judge.note_lookup()  # the next turn arrives
+    counters.advance(3.4, others=0.0, own=2.0)  # and runs on both cores, alone
+    judge.note_route(job, _sparse_turn(9499, 3.4), appended=600, now=0.0)
+    route = judge._routes[job.job_id]
+    assert list(route.sparse) == [Regime.QUIET]
+    assert route.sparse[Regime.QUIET].others_share == pytest.approx(0.0)
+    assert judge.status()["load_regime"] == "quiet"
+
+
 def test_the_status_shows_the_carry_behind_the_last_verdict_not_another_conversations() -> None:
     """Ordering the work weighs every conversation's expected saving, each carrying its own
     sparse turn across the regimes; the status's ``sparse_carried_over`` must still say
