@@ -39,6 +39,10 @@ APPEND = 600
 ARMS = ("sparse_off", "sparse_recovery")
 
 
+def _turn(row: Any) -> dict[str, Any]:
+    return {"ttft_s": row.ttft_s, "cached": row.cached_tokens, "route": row.route}
+
+
 def run_arm(arm_name: str, models: tuple[Any, Any, Any], config: Any, round_: int, turns: int) -> dict[str, Any]:
     model, tokenizer, draft = models
     base = tokens(CONTEXT, CONTEXT)
@@ -53,11 +57,11 @@ def run_arm(arm_name: str, models: tuple[Any, Any, Any], config: Any, round_: in
                 for k in range(turns):
                     row = arm.serve(base + tokens(APPEND, 9000 + 10 * round_ + k), k + 1).row
                     arm.think(SETTLE_S)
-                    loaded.append({"ttft_s": row.ttft_s, "cached": row.cached_tokens, "route": row.route})
+                    loaded.append(_turn(row))
             time.sleep(LOAD_SETTLE_S)
             row = arm.serve(base + tokens(APPEND, 9500 + round_), turns + 1).row
             arm.think(SETTLE_S)
-            quiet = {"ttft_s": row.ttft_s, "cached": row.cached_tokens, "route": row.route}
+            quiet = _turn(row)
         finally:
             arm.close()
     return {"arm": arm_name, "round": round_, "loaded": loaded, "quiet": quiet}

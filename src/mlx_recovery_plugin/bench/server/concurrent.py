@@ -83,6 +83,7 @@ def serve_concurrently(
     def conversation(steps: list[tuple[int, Step]]) -> None:
         client = make_client()
         wake = started + steps[0][1].start_s
+        leads = steps[0][1].conversation == first_conversation  # its second turn ends the load
         try:
             for n, (index, step) in enumerate(steps):
                 other = not_before[index] if not_before is not None else None
@@ -102,7 +103,7 @@ def serve_concurrently(
                         return
                 if failed.is_set():
                     return
-                if n == 1 and step.conversation == first_conversation:
+                if leads and n == 1:
                     stop_load.set()
                     load_stopped.wait(LOAD_STOP_WAIT_S)
                 sent = time.monotonic() - started
@@ -127,7 +128,7 @@ def serve_concurrently(
             errors.append(exc)
             failed.set()
         finally:
-            if steps[0][1].conversation == first_conversation:
+            if leads:
                 stop_load.set()
 
     threads = [threading.Thread(target=conversation, args=(steps,), name=f"bench-conv-{name}", daemon=True)

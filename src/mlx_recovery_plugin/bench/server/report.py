@@ -185,16 +185,17 @@ def _rereadable(off: ArmRun, rec: ArmRun, dense_rate: float | None = None) -> Ca
     def off_rate(i: int) -> float:
         return off.steps[i].prompt_tokens / max(off.steps[i].ttft_s, 1e-9)
 
+    loaded = [i for i, step in enumerate(off.steps) if step.loaded]
+    loaded_rate = off_rate(loaded[0]) if loaded else None
     timed = [(s.sent_s, s.done_s) for s in rec.steps]
     if rec.steps and all(sent is not None and done is not None for sent, done in timed):
         busy = [(float(sent), float(done)) for sent, done in timed]  # type: ignore[arg-type]
         fastest = max((off_rate(i) for i, a in enumerate(off.steps) if a.turn == 1 and not a.label), default=0.0)
         if dense_rate is not None:
             fastest = dense_rate
-        loaded_turns = [i for i, step in enumerate(off.steps) if step.loaded]
-        if rec.load_s is None or not loaded_turns:
+        if rec.load_s is None or loaded_rate is None:
             return lambda first, index: fastest * _idle_seconds(busy, busy[first][1], busy[index][0])
-        slow, (_, until) = off_rate(loaded_turns[0]), rec.load_s
+        slow, (_, until) = loaded_rate, rec.load_s
 
         def concurrent_loaded(first: int, index: int) -> float:
             start, end = busy[first][1], busy[index][0]
@@ -202,8 +203,6 @@ def _rereadable(off: ArmRun, rec: ArmRun, dense_rate: float | None = None) -> Ca
             return slow * under + fastest * (_idle_seconds(busy, start, end) - under)
 
         return concurrent_loaded
-    loaded = [i for i, step in enumerate(off.steps) if step.loaded]
-    loaded_rate = off_rate(loaded[0]) if loaded else None
 
     def sequential(first: int, index: int) -> float:
         quiet = dense_rate if loaded and dense_rate is not None else off_rate(first)
