@@ -14,10 +14,12 @@ from mlx_recovery_plugin.testing.tiny_model import TinyModelSpec, load_tiny_mode
 def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The publish policy's load regime reads the machine's CPU counters; whatever else
     runs on the machine must not change what a test's injected costs decide, so tests see
-    a machine whose load is not known (one regime) unless they inject counters."""
+    a machine whose load is not known (one regime) unless they inject counters; nor are
+    this process's threads' waits (the CPU's fair share stands in for them)."""
     from mlx_recovery_plugin.recovery import machine_load
 
     monkeypatch.setattr(machine_load, "read_counters", lambda: None)
+    monkeypatch.setattr(machine_load, "read_thread_times", lambda: None)
 
 
 @pytest.fixture(autouse=True)

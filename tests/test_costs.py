@@ -207,17 +207,22 @@ def test_unknown_threshold_assumes_the_next_turn_is_dense_over_the_prefix() -> N
 
 class Counters:
     """Injected CPU counters: ``advance`` moves the machine on by ``seconds`` of wall time
-    with ``others`` of its 2 cores busy with other processes and ``own`` with this one."""
+    with ``others`` of its 2 cores busy with other processes and ``own`` with this one,
+    whose one thread waited ``wait`` seconds for a core per second it ran on one."""
 
     def __init__(self) -> None:
-        self.busy = self.total = self.mine = 0.0
+        self.busy = self.total = self.mine = self.waited = 0.0
 
     def __call__(self) -> tuple[float, float, float]:
         return self.busy, self.total, self.mine
 
-    def advance(self, seconds: float, others: float, own: float = 1.0) -> None:
+    def threads(self) -> dict[int, tuple[float, float]]:
+        return {1: (self.mine, self.waited)}
+
+    def advance(self, seconds: float, others: float, own: float = 1.0, wait: float = 0.0) -> None:
         self.busy += (others + own) * seconds
         self.mine += own * seconds
+        self.waited += wait * own * seconds
         self.total += 2 * seconds
 
 
@@ -237,12 +242,56 @@ def test_the_load_regime_is_the_share_other_processes_took_since_the_last_look()
     assert MachineLoad(lambda: None).look() is None
 
 
-def _judge_with(counters: Counters) -> Any:
+def test_the_loads_contention_is_how_long_this_process_threads_waited_for_a_core() -> None:
+    """Others who would saturate both cores show half the machine over a window in which
+    this process competed (they got what it left): the fair share says its passes take
+    1.5x, where its threads waited as long as they ran, 2x. The threads say it; where they
+    hardly ran, the others' share is their demand, and the fair share stands in."""
+    from mlx_recovery_plugin.recovery.machine_load import MachineLoad, Regime
+
+    counters = Counters()
+    load = MachineLoad(counters, counters.threads)
+    assert load.contention is None  # nothing judged yet
+    counters.advance(2.0, others=1.0, own=1.0, wait=1.0)
+    assert load.look() is Regime.BUSY and load.last_share == pytest.approx(0.5)
+    assert load.contention == pytest.approx(2.0)
+    counters.advance(2.0, others=1.0, own=1.0, wait=0.5)  # the same regime: both windows count
+    assert load.look() is Regime.BUSY and load.contention == pytest.approx(1.75)
+    counters.advance(2.0, others=0.0, own=2.0, wait=0.01)  # quiet: counted afresh
+    assert load.look() is Regime.QUIET and load.contention == pytest.approx(1.01)
+    counters.advance(10.0, others=1.8, own=0.002, wait=5.0)  # busy while this process slept
+    assert load.look() is Regime.BUSY and load.contention == pytest.approx(1.9)
+    # Without the threads' statistics (not Linux), the fair share.
+    counters = Counters()
+    load = MachineLoad(counters, lambda: None)
+    counters.advance(2.0, others=1.0, own=1.0, wait=1.0)
+    assert load.look() is Regime.BUSY and load.contention == pytest.approx(1.5)
+
+
+def test_a_thread_born_in_a_window_counts_from_the_next_one() -> None:
+    from mlx_recovery_plugin.recovery.machine_load import MachineLoad
+
+    counters = Counters()
+    threads: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
+    load = MachineLoad(counters, lambda: dict(threads))
+    counters.advance(2.0, others=1.0)
+    threads.update({1: (1.0, 1.0), 2: (50.0, 0.0)})  # 2's counts are from before the window
+    load.look()
+    assert load.contention == pytest.approx(2.0)
+    counters.advance(2.0, others=1.0)
+    threads.update({1: (2.0, 2.0), 2: (52.0, 0.0)})
+    load.look()
+    assert load.contention == pytest.approx((2.0 + 2.0 + 2.0) / 4.0)
+
+
+def _judge_with(counters: Counters, threads: bool = False) -> Any:
+    """A judge reading ``counters``; with ``threads``, its threads' waits too (else, as
+    the suite hides them, not known)."""
     from mlx_recovery_plugin.recovery.judge import PublishJudge
     from mlx_recovery_plugin.recovery.machine_load import MachineLoad
     from mlx_recovery_plugin.settings import PublishPolicy
 
-    return PublishJudge(PublishPolicy.AUTO, 256, load=MachineLoad(counters))
+    return PublishJudge(PublishPolicy.AUTO, 256, load=MachineLoad(counters, counters.threads if threads else None))
 
 
 def _sparse_turn(tokens: int, seconds: float, request_id: str = "r") -> Any:
@@ -422,7 +471,7 @@ def test_a_first_turn_carried_over_from_a_loaded_machine_counts_its_draft_readin
     # The quiet slices (from 3,072 on) never attended where the kept pass does: the dense
     # costs are not compared there, and the fair share carries the turn.
     assert carried["by_dense_costs"] is None
-    assert carried["factor"] == pytest.approx(fair, rel=0.01) == carried["by_cpu_share"]
+    assert carried["factor"] == pytest.approx(fair, rel=0.01) == carried["by_contention"]
     # A slower first turn, whose rerun the dense append does beat, is published.
     judge, job = _first_turn_loaded_then_quiet(16.0, 5.2)
     decision = judge.judge(job, 8704, next_tokens=8704 + 600)
@@ -504,21 +553,54 @@ def test_the_regimes_dense_costs_are_compared_only_where_both_have_evidence() ->
     judge.judge(job, 8704, next_tokens=8704 + 600)
     carried = judge.status()["sparse_carried_over"]
     assert carried["by_dense_costs"] == pytest.approx(0.8, rel=0.01)
-    assert carried["by_cpu_share"] == pytest.approx(1 / 1.5, abs=1e-4)
+    assert carried["by_contention"] == pytest.approx(1 / 1.5, abs=1e-4)
     assert carried["factor"] == carried["by_dense_costs"]
+
+
+def test_a_quiet_turn_is_carried_to_a_loaded_machine_by_how_long_the_threads_waited() -> None:
+    """``bench policy``, 4096x2, loaded at the next turn: its quiet sparse turn carried to
+    the busy machine at the fair share of the others' 0.5 (1.5x) held the whole prefix
+    "not yet clear", where the loaded rerun took 2.2-3.5x the quiet one. The slices' threads
+    waited as long as they ran (2x): carried at that, the rerun the dense append beats."""
+    from mlx_recovery_plugin.events import SparseRouteServed
+    from mlx_recovery_plugin.recovery.costs import Verdict
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    def verdict_at_arrival(threads: bool) -> tuple[Any, dict[str, Any]]:
+        counters = Counters()
+        judge = _judge_with(counters, threads=threads)
+        job = RecoveryJob(1, tuple(range(8704)), 8704)
+        counters.advance(10.0, others=0.0, wait=0.01)
+        judge.note_route(job, SparseRouteServed("e", "r", "m", job.tokens, 0, 8704, threshold=8192, keep=0.2,
+                                                prefill_s=3.5, door_s=1.0), appended=None, now=0.0)
+        for busy, contexts in ((0.0, (0, 1024, 2048, 3072)), (1.0, (4096, 5120, 6144, 7168))):
+            for context in contexts:
+                counters.advance(5.0, others=busy, wait=busy or 0.01)
+                judge.observe(context, 1024, (1 + busy) * 1024 * (2e-3 + 1e-7 * (context + 512)))
+        counters.advance(1.0, others=1.0, wait=1.0)
+        judge.note_lookup()  # the next turn arrives, 600 tokens on
+        return judge.judge(job, 8704, next_tokens=8704 + 600), judge.status()["sparse_carried_over"]
+
+    decision, carried = verdict_at_arrival(threads=True)
+    assert decision.verdict is Verdict.PUBLISH, decision.reason
+    assert carried["by_contention"] == pytest.approx(2.0 / 1.01, rel=1e-3) == carried["factor"]
+    assert (carried["contention_then"], carried["contention_now"]) == (1.01, 2.0)
+    # Where the threads' waits are not known, the fair share: the miss this mends.
+    decision, carried = verdict_at_arrival(threads=False)
+    assert decision.verdict is Verdict.HOLD, decision.reason
+    assert carried["by_contention"] == pytest.approx(1.5, rel=1e-3)
 
 
 def test_a_turn_is_carried_across_load_regimes_by_the_milder_of_two_estimates() -> None:
     """The slices under load are short passes, which contention slows more than a host's
     long ones (a 256-token pass 2.6x, a 2,048-token one 1.75x here, under two busy
-    processes on 2 cores); the CPU's fair share says how a long CPU-bound pass slows, but
+    processes on 2 cores); the threads' contention says how a CPU-bound pass slows, but
     a pass on a GPU is hardly slowed by busy CPUs, which the dense costs then show."""
-    from mlx_recovery_plugin.recovery.machine_load import carry_factor, cpu_share_factor
+    from mlx_recovery_plugin.recovery.machine_load import carry_factor, contention_factor
 
-    # bench policy, 1024x2 loaded: others took 72 % of the machine around the first turn.
-    assert cpu_share_factor(0.72, 0.0) == pytest.approx(1 / 1.72)
-    assert cpu_share_factor(0.0, 0.72) == pytest.approx(1.72)
-    assert cpu_share_factor(None, 0.0) is None and cpu_share_factor(0.5, None) is None
+    assert contention_factor(2.4, 1.0) == pytest.approx(1 / 2.4)
+    assert contention_factor(1.0, 2.4) == pytest.approx(2.4)
+    assert contention_factor(None, 1.0) is None and contention_factor(2.0, None) is None
     assert carry_factor(0.22, 0.58) == 0.58  # CPU: the short slices overstate it
     assert carry_factor(1.0, 0.58) == 1.0  # a GPU: the slices did not slow
     assert carry_factor(3.5, 1.72) == 1.72  # the other way round

@@ -105,13 +105,15 @@ class Decision:
 @dataclass(slots=True, frozen=True)
 class SparseSample:
     """The host's sparse prefill of a ``tokens``-token prompt took ``seconds``, while
-    other processes used ``others_share`` of the machine (None: not known)."""
+    other processes used ``others_share`` of the machine and slowed this process's passes
+    ``contention`` times (:class:`.machine_load.MachineLoad`; None: not known)."""
 
     tokens: int
     seconds: float
     others_share: float | None = None
     door_s: float | None = None  # of ``seconds``, the host's scoring at its door (see SparseRouteServed)
     request_id: str | None = None  # the host's request: one turn reported by two hooks is one sample
+    contention: float | None = None
 
     def as_rerun(self, appended: int, fresh_rate: float | None = None, growth: float = 0.0) -> SparseSample:
         """What the same turn would cost as a rerun that grew by ``appended`` tokens on a
@@ -128,13 +130,14 @@ class SparseSample:
         else:  # this turn's own rate, at most its whole door for the new tokens
             again = rerun_door_seconds(door / self.tokens, min(appended, self.tokens), self.tokens, growth)
         return SparseSample(self.tokens, self.seconds - door + again, self.others_share,
-                            request_id=self.request_id)
+                            request_id=self.request_id, contention=self.contention)
 
     def scaled(self, factor: float) -> SparseSample:
         """The same turn at ``factor`` times its time (its door's share with it): a turn
         carried over from another load regime."""
         return SparseSample(self.tokens, self.seconds * factor, self.others_share,
-                            None if self.door_s is None else self.door_s * factor, self.request_id)
+                            None if self.door_s is None else self.door_s * factor, self.request_id,
+                            self.contention)
 
 
 class Source(str, Enum):

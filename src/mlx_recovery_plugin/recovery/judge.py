@@ -37,7 +37,7 @@ from .costs import (
 from .door_reading import DoorGrowth, door_growth
 from .host_probe import HostCostProbe
 from .jobs import RecoveryJob
-from .machine_load import MachineLoad, Regime, carry_factor, cpu_share_factor
+from .machine_load import MachineLoad, Regime, carry_factor, contention_factor
 
 # The keep share assumed when the host does not say (oMLX's default).
 DEFAULT_KEEP = 0.2
@@ -169,7 +169,7 @@ class PublishJudge:
             self._note_door(route, event, appended)
             route.remember(regime, SparseSample(
                 len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share, event.door_s,
-                event.request_id,
+                event.request_id, self._load.contention,
             ))
         if appended is not None:
             route.last_append = appended
@@ -245,7 +245,7 @@ class PublishJudge:
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
             route.remember(regime, SparseSample(uncached, event.prefill_s, self._load.last_share,
-                                                request_id=event.request_id))
+                                                request_id=event.request_id, contention=self._load.contention))
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
             keep = route.keep if route.keep is not None else DEFAULT_KEEP
@@ -419,8 +419,8 @@ class PublishJudge:
             # beyond their evidence differed from what the load did by 0.3-2.7x (bench policy).
             comparable = self.costs.spans(kept, 0) and self._models[regime].spans(kept, 0)
             by_costs = here / there if here and there and comparable else None
-            by_share = cpu_share_factor(sample.others_share, self._load.last_share)
-            factor = carry_factor(by_costs, by_share)
+            by_contention = contention_factor(sample.contention, self._load.contention)
+            factor = carry_factor(by_costs, by_contention)
             if factor is None:
                 continue
             return _Carry(regime, factor, {
@@ -428,7 +428,9 @@ class PublishJudge:
                 "door_s": None if sample.door_s is None else round(sample.door_s, 4),
                 "factor": round(factor, 4),
                 "by_dense_costs": None if by_costs is None else round(by_costs, 4),
-                "by_cpu_share": None if by_share is None else round(by_share, 4),
+                "by_contention": None if by_contention is None else round(by_contention, 4),
+                "contention_then": None if sample.contention is None else round(sample.contention, 4),
+                "contention_now": None if self._load.contention is None else round(self._load.contention, 4),
                 "others_share_then": sample.others_share, "others_share_now": self._load.last_share,
             })
         return None
@@ -441,6 +443,8 @@ class PublishJudge:
                 "mode": self.policy.value,
                 "load_regime": self.regime.value,
                 "others_load_share": self._load.last_share,
+                # How many times longer this process's passes take than alone (this regime).
+                "load_contention": self._load.contention,
                 "regime_switches": self._switches,
                 "dense_cost_samples": self.costs.samples,
                 "host_dense_samples": self.costs.host_samples,

@@ -8,6 +8,14 @@ tagged with the load regime it was taken in: the share of the machine's CPU time
 other processes used since the policy last looked, from the system's counters (Linux
 ``/proc/stat``; ``psutil`` where installed elsewhere) less this process's own CPU time.
 
+How much the load slows this process's passes is read apart from it: its threads' time
+waiting for a core beside their time on one (Linux ``/proc/self/task/*/schedstat``). The
+others' share says little of it: over a window in which this process's passes competed for
+the cores, others who would saturate the machine show a share of 0.5-0.8 (they got what
+was left), where the passes waited as long as they ran. On this project's 2-core CPU under
+two busy processes a 2,048-token pass ran 2.0x slower and its threads read 2.4x; the fair
+share of the others' 0.65 said 1.65x.
+
 Threads: a :class:`MachineLoad` belongs to one engine's publish policy (its engine thread).
 """
 
@@ -16,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 
 # Other processes using at least this share of all cores make the machine busy.
@@ -24,9 +32,16 @@ BUSY_SHARE = 0.25
 # Shorter windows (seconds of one core) say nothing: the counters tick at 100 Hz.
 MIN_WINDOW_S = 0.2
 
+# Less CPU time than this of this process's threads in a window says nothing of how long
+# they waited (a short window's waits are mostly wake-ups).
+MIN_RUN_S = 0.05
+
 #: ``(busy CPU seconds of the whole machine, all CPU seconds, this process's CPU seconds)``
 #: as monotonic counters, or None where the system does not say.
 Reader = Callable[[], tuple[float, float, float] | None]
+#: Per thread of this process, ``(seconds on a core, seconds runnable but waiting for one)``
+#: as monotonic counters, or None where the system does not say.
+ThreadReader = Callable[[], Mapping[int, tuple[float, float]] | None]
 
 
 class Regime(str, Enum):
@@ -56,15 +71,40 @@ def read_counters() -> tuple[float, float, float] | None:
     return busy, busy + float(t.idle) + float(getattr(t, "iowait", 0.0)), own
 
 
-class MachineLoad:
-    """The load regime since the last look (see the module docstring)."""
+def read_thread_times() -> dict[int, tuple[float, float]] | None:
+    """Linux's scheduler statistics of this process's threads (nanoseconds on a core and
+    waiting on a run queue); None where the system keeps none."""
+    times: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+                on_cpu, waiting = f.read().split()[:2]
+            times[int(tid)] = (int(on_cpu) / 1e9, int(waiting) / 1e9)
+        except (OSError, ValueError):
+            continue  # a thread that ended between the listing and the read
+    return times or None
 
-    def __init__(self, reader: Reader | None = None) -> None:
-        # Looked up at construction, so a test suite can swap the module's reader.
+
+class MachineLoad:
+    """The load regime since the last look, and how much it slows this process's passes
+    (see the module docstring)."""
+
+    def __init__(self, reader: Reader | None = None, threads: ThreadReader | None = None) -> None:
+        # Looked up at construction, so a test suite can swap the module's readers.
         self._reader = reader if reader is not None else read_counters
+        self._threads = threads if threads is not None else read_thread_times
         self._mark = self._read()
+        self._threads_mark = self._read_threads()
         #: The others' share of the machine over the last window judged, if any.
         self.last_share: float | None = None
+        # This process's threads' seconds on a core and waiting for one, summed over the
+        # windows since the regime last changed, and that regime.
+        self._run_s = self._wait_s = 0.0
+        self._regime: Regime | None = None
 
     def look(self) -> Regime | None:
         """The regime since the previous look; None where it cannot be told (no counters,
@@ -79,7 +119,32 @@ class MachineLoad:
         self._mark = now
         share = max(0.0, busy - own) / total
         self.last_share = share
-        return Regime.BUSY if share >= BUSY_SHARE else Regime.QUIET
+        regime = Regime.BUSY if share >= BUSY_SHARE else Regime.QUIET
+        if regime is not self._regime:
+            self._regime, self._run_s, self._wait_s = regime, 0.0, 0.0
+        threads = self._read_threads()
+        if threads is not None and self._threads_mark is not None:
+            for tid, (on_cpu, waiting) in threads.items():
+                before = self._threads_mark.get(tid)
+                if before is not None:  # a thread born in the window counts from the next
+                    self._run_s += max(0.0, on_cpu - before[0])
+                    self._wait_s += max(0.0, waiting - before[1])
+        self._threads_mark = threads
+        return regime
+
+    @property
+    def contention(self) -> float | None:
+        """How many times longer this process's passes take than on a machine to
+        themselves, in the current regime: its threads' time on a core and waiting for one
+        over their time on one, since the regime began; where they hardly ran (or the
+        system does not say), the CPU's fair share ``1 + s`` of the others' share ``s``,
+        which is their demand when nothing of this process stood in their way. None before
+        a window was judged."""
+        if self.last_share is None:
+            return None
+        if self._run_s >= MIN_RUN_S:
+            return (self._run_s + self._wait_s) / self._run_s
+        return 1.0 + self.last_share
 
     def _read(self) -> tuple[float, float, float] | None:
         try:
@@ -87,31 +152,31 @@ class MachineLoad:
         except Exception:  # noqa: BLE001 - a counter that cannot be read is "not known"
             return None
 
+    def _read_threads(self) -> Mapping[int, tuple[float, float]] | None:
+        try:
+            return self._threads()
+        except Exception:  # noqa: BLE001 - as above
+            return None
 
-def cpu_share_factor(others_then: float | None, others_now: float | None) -> float | None:
-    """What a pass timed while other processes took ``others_then`` of the machine's CPU
-    time costs now that they take ``others_now``, if it wanted every core and the cores
-    were shared fairly among what ran: with ``n`` cores, others keeping ``n * s`` of them
-    busy leave a pass ``n / (n + n * s)`` of the machine, so the factor is
-    ``(1 + s_now) / (1 + s_then)`` (None where either share is not known). A pass that
-    wants fewer cores, or runs elsewhere (a GPU), is slowed less."""
-    if others_then is None or others_now is None:
+
+def contention_factor(then: float | None, now: float | None) -> float | None:
+    """What a pass timed at :attr:`MachineLoad.contention` ``then`` costs at ``now`` (None
+    where either is not known). It counts the pass as bound by this process's CPU threads,
+    which on a GPU it is not."""
+    if then is None or now is None or then <= 0 or now <= 0:
         return None
-    return (1.0 + max(0.0, others_now)) / (1.0 + max(0.0, others_then))
+    return now / then
 
 
-def carry_factor(by_dense_costs: float | None, by_cpu_share: float | None) -> float | None:
+def carry_factor(by_dense_costs: float | None, by_contention: float | None) -> float | None:
     """The factor that carries a host's sparse turn from one load regime to the other: of
     the two regimes' dense costs compared (``by_dense_costs``, where both have evidence)
-    and the CPU's fair share (:func:`cpu_share_factor`), the one nearer 1, or whichever is
-    known. On oMLX's scheduler in process (``bench policy``), from a loaded first turn to a
-    quiet machine, the fair share read 0.59-0.67 where the host's sparse turn had changed
-    by 0.52-0.81, and the dense costs, read beyond their evidence, 0.22-0.51: the slices
-    under load are short passes, which contention slows more than a turn's long ones (on
-    this 2-core CPU under two busy processes, a 256-token pass 2.6x, a 2,048-token one
-    1.75x). The fair share counts a pass as CPU-bound, which on a GPU it is not: there
-    the dense costs, where comparable, say less."""
-    known = [f for f in (by_dense_costs, by_cpu_share) if f is not None and f > 0 and math.isfinite(f)]
+    and the threads' contention (:func:`contention_factor`), the one nearer 1, or whichever
+    is known. The dense costs, read beyond their evidence, differed from what the load did
+    by 0.3-2.7x (``bench policy``): the slices under load are short passes, which
+    contention slows more than a turn's long ones. The contention counts a pass as
+    CPU-bound, which on a GPU it is not: there the dense costs, where comparable, say less."""
+    known = [f for f in (by_dense_costs, by_contention) if f is not None and f > 0 and math.isfinite(f)]
     if not known:
         return None
     return min(known, key=lambda f: abs(math.log(f)))
