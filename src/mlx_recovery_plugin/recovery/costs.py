@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .door_reading import rerun_door_seconds
+from .machine_load import LoadReading
 
 # Publish only when the dense append is estimated at no more than this share of the
 # sparse rerun: estimates are noisy, and a wrong "yes" makes a turn slower than sparse.
@@ -104,16 +105,14 @@ class Decision:
 
 @dataclass(slots=True, frozen=True)
 class SparseSample:
-    """The host's sparse prefill of a ``tokens``-token prompt took ``seconds``, while
-    other processes used ``others_share`` of the machine and slowed this process's passes
-    ``contention`` times (:class:`.machine_load.MachineLoad`; None: not known)."""
+    """The host's sparse prefill of a ``tokens``-token prompt took ``seconds``, with the
+    machine loaded as ``load`` says (None: not known)."""
 
     tokens: int
     seconds: float
-    others_share: float | None = None
+    load: LoadReading | None = None
     door_s: float | None = None  # of ``seconds``, the host's scoring at its door (see SparseRouteServed)
     request_id: str | None = None  # the host's request: one turn reported by two hooks is one sample
-    contention: float | None = None
 
     def as_rerun(self, appended: int, fresh_rate: float | None = None, growth: float = 0.0) -> SparseSample:
         """What the same turn would cost as a rerun that grew by ``appended`` tokens on a
@@ -129,15 +128,13 @@ class SparseSample:
             again = rerun_door_seconds(fresh_rate, appended, self.tokens, growth)
         else:  # this turn's own rate, at most its whole door for the new tokens
             again = rerun_door_seconds(door / self.tokens, min(appended, self.tokens), self.tokens, growth)
-        return SparseSample(self.tokens, self.seconds - door + again, self.others_share,
-                            request_id=self.request_id, contention=self.contention)
+        return SparseSample(self.tokens, self.seconds - door + again, self.load, request_id=self.request_id)
 
     def scaled(self, factor: float) -> SparseSample:
         """The same turn at ``factor`` times its time (its door's share with it): a turn
         carried over from another load regime."""
-        return SparseSample(self.tokens, self.seconds * factor, self.others_share,
-                            None if self.door_s is None else self.door_s * factor, self.request_id,
-                            self.contention)
+        return SparseSample(self.tokens, self.seconds * factor, self.load,
+                            None if self.door_s is None else self.door_s * factor, self.request_id)
 
 
 class Source(str, Enum):

@@ -37,7 +37,7 @@ from .costs import (
 from .door_reading import DoorGrowth, door_growth
 from .host_probe import HostCostProbe
 from .jobs import RecoveryJob
-from .machine_load import MachineLoad, Regime, carry_factor, contention_factor
+from .machine_load import LoadReading, MachineLoad, Regime, carry_factor, contention_factor, demand_factor
 
 # The keep share assumed when the host does not say (oMLX's default).
 DEFAULT_KEEP = 0.2
@@ -78,6 +78,12 @@ class RouteMemory:
     #: The host's door time per token on the conversation's first sparse turn (see
     #: :mod:`.door_reading`); None where the host reports no door.
     fresh_door_rate: float | None = None
+
+    @property
+    def kept_share(self) -> float:
+        """The share of a prompt the host's sparse route keeps (``DEFAULT_KEEP`` where it
+        did not say)."""
+        return self.keep if self.keep is not None else DEFAULT_KEEP
 
     def remember(self, regime: Regime, sample: SparseSample) -> None:
         """A sparse turn measured in ``regime``: the latest, and one of the recent. The
@@ -168,8 +174,8 @@ class PublishJudge:
         if event.prefill_s is not None and event.prefill_s > 0:
             self._note_door(route, event, appended)
             route.remember(regime, SparseSample(
-                len(event.tokens) - event.served_start, float(event.prefill_s), self._load.last_share, event.door_s,
-                event.request_id, self._load.contention,
+                len(event.tokens) - event.served_start, float(event.prefill_s), self._load.reading, event.door_s,
+                event.request_id,
             ))
         if appended is not None:
             route.last_append = appended
@@ -244,11 +250,11 @@ class PublishJudge:
             self._host_turns += 1
         route = self._routes.get(job.job_id) if job is not None else None
         if route is not None and event.route is Route.SPARSE and uncached > 0 and event.prefill_s > 0:
-            route.remember(regime, SparseSample(uncached, event.prefill_s, self._load.last_share,
-                                                request_id=event.request_id, contention=self._load.contention))
+            route.remember(regime, SparseSample(uncached, event.prefill_s, self._load.reading,
+                                                request_id=event.request_id))
             self._sparse_updates += 1
         if route is not None and route.predicted_dense_s is not None and event.route is Route.DENSE:
-            keep = route.keep if route.keep is not None else DEFAULT_KEEP
+            keep = route.kept_share
             measured = self._sparse_sample(route, self._carried(route, keep))
             sparse = sparse_rerun_seconds(self.costs, len(event.tokens), keep, measured) if measured else None
             self._last_turn = {
@@ -270,7 +276,7 @@ class PublishJudge:
             return 0.0
         full = job.publish_end(self.block_size)
         next_tokens = len(job.tokens) + self.next_append(route)
-        keep = route.keep if route.keep is not None else DEFAULT_KEEP
+        keep = route.kept_share
         measured = self._sparse_sample(route, self._carried(route, keep))
         sparse = sparse_rerun_seconds(self.costs, next_tokens, keep, measured)
         if sparse is None:
@@ -306,7 +312,7 @@ class PublishJudge:
             decision = Decision(Verdict.PUBLISH, "policy: always")
         else:
             route = self._routes.get(job.job_id) or RouteMemory()
-            keep = route.keep if route.keep is not None else DEFAULT_KEEP
+            keep = route.kept_share
             appended = self.next_append(route) if next_tokens is None else max(0, next_tokens - len(job.tokens))
             carried = self._carried(route, keep)
             if carried is not None:
@@ -404,8 +410,8 @@ class PublishJudge:
     def _carried(self, route: RouteMemory, keep: float) -> _Carry | None:
         """The regime a sparse turn of the conversation was measured in, and the factor that
         carries it to the current one (:func:`carry_factor`: the two regimes' dense costs
-        compared at its kept share where both have evidence there, and the CPU's fair
-        share); None where it cannot be told, or where the current regime has its own
+        compared at its kept share where both have evidence there, the others' demand and
+        this process's threads' contention in each); None where it cannot be told, or where the current regime has its own
         turn. :meth:`judge` shows in the status the last one a verdict took."""
         if self.regime in route.sparse and self.regime in route.recent:
             return None
@@ -419,8 +425,10 @@ class PublishJudge:
             # beyond their evidence differed from what the load did by 0.3-2.7x (bench policy).
             comparable = self.costs.spans(kept, 0) and self._models[regime].spans(kept, 0)
             by_costs = here / there if here and there and comparable else None
-            by_contention = contention_factor(sample.contention, self._load.contention)
-            factor = carry_factor(by_costs, by_contention)
+            now = self._load.reading
+            by_demand = demand_factor(sample.load, now)
+            by_contention = contention_factor(sample.load, now)
+            factor = carry_factor(by_costs, by_demand, by_contention)
             if factor is None:
                 continue
             return _Carry(regime, factor, {
@@ -428,10 +436,9 @@ class PublishJudge:
                 "door_s": None if sample.door_s is None else round(sample.door_s, 4),
                 "factor": round(factor, 4),
                 "by_dense_costs": None if by_costs is None else round(by_costs, 4),
+                "by_demand": None if by_demand is None else round(by_demand, 4),
                 "by_contention": None if by_contention is None else round(by_contention, 4),
-                "contention_then": None if sample.contention is None else round(sample.contention, 4),
-                "contention_now": None if self._load.contention is None else round(self._load.contention, 4),
-                "others_share_then": sample.others_share, "others_share_now": self._load.last_share,
+                "load_then": _reading_status(sample.load), "load_now": _reading_status(now),
             })
         return None
 
@@ -443,8 +450,8 @@ class PublishJudge:
                 "mode": self.policy.value,
                 "load_regime": self.regime.value,
                 "others_load_share": self._load.last_share,
-                # How many times longer this process's passes take than alone (this regime).
-                "load_contention": self._load.contention,
+                # The others' demand and this process's contention in this regime.
+                "load": _reading_status(self._load.reading),
                 "regime_switches": self._switches,
                 "dense_cost_samples": self.costs.samples,
                 "host_dense_samples": self.costs.host_samples,
@@ -482,3 +489,10 @@ class PublishJudge:
                 },
             }
         )
+
+
+def _reading_status(reading: LoadReading | None) -> dict[str, float] | None:
+    if reading is None:
+        return None
+    return {"share": round(reading.share, 4), "demand": round(reading.demand, 4),
+            "contention": round(reading.contention, 4)}

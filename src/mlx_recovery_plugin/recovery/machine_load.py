@@ -8,13 +8,18 @@ tagged with the load regime it was taken in: the share of the machine's CPU time
 other processes used since the policy last looked, from the system's counters (Linux
 ``/proc/stat``; ``psutil`` where installed elsewhere) less this process's own CPU time.
 
-How much the load slows this process's passes is read apart from it: its threads' time
-waiting for a core beside their time on one (Linux ``/proc/self/task/*/schedstat``). The
-others' share says little of it: over a window in which this process's passes competed for
-the cores, others who would saturate the machine show a share of 0.5-0.8 (they got what
-was left), where the passes waited as long as they ran. On this project's 2-core CPU under
-two busy processes a 2,048-token pass ran 2.0x slower and its threads read 2.4x; the fair
-share of the others' 0.65 said 1.65x.
+How much a busy machine slows this process's passes is read apart from the regime, two
+ways (:class:`LoadReading`), because the others' share says little of it: over a window in
+which this process's passes competed for the cores, others who would saturate the machine
+show a share of 0.5-0.8 (they got what this process left). Their **demand** is the share
+they took of what this process left; and the **contention** is how long this process's
+threads waited for a core beside their time on one (Linux ``/proc/self/task/*/schedstat``).
+On this project's 2-core CPU under two busy processes a 2,048-token pass ran 2.0x slower:
+the demand said 2x, the threads 2.4x, the fair share of the others' 0.65 1.65x; a
+256-token pass ran 7.5x slower and its threads read 9.5x. Short passes wait longest, and
+under load a recovery's slices are short, so the threads overstate what a host's long
+turn meets; the demand counts a pass as wanting every core, which a pass on a GPU, or one
+that the others yield to (a ``nice`` build), does not.
 
 Threads: a :class:`MachineLoad` belongs to one engine's publish policy (its engine thread).
 """
@@ -25,6 +30,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 
 # Other processes using at least this share of all cores make the machine busy.
@@ -89,6 +95,23 @@ def read_thread_times() -> dict[int, tuple[float, float]] | None:
     return times or None
 
 
+@dataclass(frozen=True, slots=True)
+class LoadReading:
+    """How loaded the machine was (see the module docstring)."""
+
+    #: Other processes' share of the machine's CPU time over the last window.
+    share: float
+    #: What they would take of a machine to themselves, since the regime began: in a busy
+    #: regime, their share of what this process left; in a quiet one, their share (they
+    #: were not held back, and this process taking most of a quiet machine must not turn
+    #: the few per cent of its daemons into a demand).
+    demand: float
+    #: How many times longer this process's passes took than on a machine to themselves,
+    #: since the regime began: its threads' time on a core and waiting for one over their
+    #: time on one; where they hardly ran (or the system does not say), ``1 + demand``.
+    contention: float
+
+
 class MachineLoad:
     """The load regime since the last look, and how much it slows this process's passes
     (see the module docstring)."""
@@ -101,8 +124,10 @@ class MachineLoad:
         self._threads_mark = self._read_threads()
         #: The others' share of the machine over the last window judged, if any.
         self.last_share: float | None = None
-        # This process's threads' seconds on a core and waiting for one, summed over the
-        # windows since the regime last changed, and that regime.
+        # Summed over the windows since the regime last changed (and that regime): the
+        # machine's CPU seconds, the others' and this process's; this process's threads'
+        # seconds on a core and waiting for one.
+        self._total_s = self._others_s = self._own_s = 0.0
         self._run_s = self._wait_s = 0.0
         self._regime: Regime | None = None
 
@@ -121,7 +146,11 @@ class MachineLoad:
         self.last_share = share
         regime = Regime.BUSY if share >= BUSY_SHARE else Regime.QUIET
         if regime is not self._regime:
-            self._regime, self._run_s, self._wait_s = regime, 0.0, 0.0
+            self._regime = regime
+            self._total_s = self._others_s = self._own_s = self._run_s = self._wait_s = 0.0
+        self._total_s += total
+        self._others_s += max(0.0, busy - own)
+        self._own_s += max(0.0, own)
         threads = self._read_threads()
         if threads is not None and self._threads_mark is not None:
             for tid, (on_cpu, waiting) in threads.items():
@@ -133,18 +162,18 @@ class MachineLoad:
         return regime
 
     @property
-    def contention(self) -> float | None:
-        """How many times longer this process's passes take than on a machine to
-        themselves, in the current regime: its threads' time on a core and waiting for one
-        over their time on one, since the regime began; where they hardly ran (or the
-        system does not say), the CPU's fair share ``1 + s`` of the others' share ``s``,
-        which is their demand when nothing of this process stood in their way. None before
-        a window was judged."""
-        if self.last_share is None:
+    def reading(self) -> LoadReading | None:
+        """The load as of the last window judged (None before one was)."""
+        if self.last_share is None or self._total_s <= 0:
             return None
+        demand = self._others_s / self._total_s
+        if self._regime is Regime.BUSY:
+            demand = min(1.0, self._others_s / max(self._total_s - self._own_s, 1e-9))
         if self._run_s >= MIN_RUN_S:
-            return (self._run_s + self._wait_s) / self._run_s
-        return 1.0 + self.last_share
+            contention = (self._run_s + self._wait_s) / self._run_s
+        else:
+            contention = 1.0 + demand
+        return LoadReading(self.last_share, demand, contention)
 
     def _read(self) -> tuple[float, float, float] | None:
         try:
@@ -159,25 +188,33 @@ class MachineLoad:
             return None
 
 
-def contention_factor(then: float | None, now: float | None) -> float | None:
-    """What a pass timed at :attr:`MachineLoad.contention` ``then`` costs at ``now`` (None
-    where either is not known). It counts the pass as bound by this process's CPU threads,
-    which on a GPU it is not."""
-    if then is None or now is None or then <= 0 or now <= 0:
+def demand_factor(then: LoadReading | None, now: LoadReading | None) -> float | None:
+    """What a pass timed at load ``then`` costs at ``now``, if it wanted every core and the
+    cores were shared fairly among what ran: with ``n`` cores, others wanting ``n * d`` of
+    them leave it ``n / (n + n * d)`` of the machine (None where either is not known)."""
+    if then is None or now is None:
         return None
-    return now / then
+    return (1.0 + now.demand) / (1.0 + then.demand)
 
 
-def carry_factor(by_dense_costs: float | None, by_contention: float | None) -> float | None:
+def contention_factor(then: LoadReading | None, now: LoadReading | None) -> float | None:
+    """What a pass timed at load ``then`` costs at ``now``, by how long this process's
+    threads waited for a core in each (None where either is not known)."""
+    if then is None or now is None or then.contention <= 0 or now.contention <= 0:
+        return None
+    return now.contention / then.contention
+
+
+def carry_factor(*estimates: float | None) -> float | None:
     """The factor that carries a host's sparse turn from one load regime to the other: of
-    the two regimes' dense costs compared (``by_dense_costs``, where both have evidence)
-    and the threads' contention (:func:`contention_factor`), the one nearer 1, or whichever
-    is known. The dense costs, read beyond their evidence, differed from what the load did
-    by 0.3-2.7x (``bench policy``): the slices under load are short passes, which
-    contention slows more than a turn's long ones. The contention counts a pass as
-    CPU-bound, which on a GPU it is not: there the dense costs, where comparable, say less."""
-    known = [f for f in (by_dense_costs, by_contention) if f is not None and f > 0 and math.isfinite(f)]
+    the ``estimates`` known (the two regimes' dense costs compared where both have
+    evidence, :func:`demand_factor`, :func:`contention_factor`), the one nearer 1. Each
+    overstates somewhere: the dense costs read beyond their evidence differed from what the
+    load did by 0.3-2.7x (``bench policy``), and the slices under load are short passes,
+    which contention slows more than a turn's long ones; the threads' waits read 3.1-4.1x
+    where the host's loaded reruns took 2.4-3.3x the quiet ones; the demand counts a pass
+    as wanting every core, which on a GPU it does not."""
+    known = [f for f in estimates if f is not None and f > 0 and math.isfinite(f)]
     if not known:
         return None
     return min(known, key=lambda f: abs(math.log(f)))
-
