@@ -566,15 +566,10 @@ def test_the_regimes_dense_costs_are_compared_only_where_both_have_evidence() ->
     assert carried["factor"] == carried["by_dense_costs"]
 
 
-def test_a_quiet_turn_is_carried_to_a_loaded_machine_by_what_the_others_wanted() -> None:
-    """``bench policy``, 4096x2, loaded at the next turn: its quiet sparse turn carried to
-    the busy machine at the fair share of the others' 0.5 (1.5x) held the whole prefix
-    "not yet clear", where the loaded rerun took 2.2-3.5x the quiet one. The others took
-    all this process left them (a demand of the whole machine: 2x), and its slices'
-    threads waited as long as they ran (2x): carried at that, the dense append beats the
-    rerun."""
+def _quiet_first_turn_with_threads(prefill_s: float) -> tuple[Counters, Any, Any]:
+    """A judge that reads its threads' waits, whose conversation's first sparse turn (8,704
+    tokens, 1 s at the door) took ``prefill_s`` on a quiet machine, as did four slices."""
     from mlx_recovery_plugin.events import SparseRouteServed
-    from mlx_recovery_plugin.recovery.costs import Verdict
     from mlx_recovery_plugin.recovery.jobs import RecoveryJob
 
     counters = Counters()
@@ -582,11 +577,26 @@ def test_a_quiet_turn_is_carried_to_a_loaded_machine_by_what_the_others_wanted()
     job = RecoveryJob(1, tuple(range(8704)), 8704)
     counters.advance(10.0, others=0.0, wait=0.01)
     judge.note_route(job, SparseRouteServed("e", "r", "m", job.tokens, 0, 8704, threshold=8192, keep=0.2,
-                                            prefill_s=3.5, door_s=1.0), appended=None, now=0.0)
-    for busy, contexts in ((0.0, (0, 1024, 2048, 3072)), (1.0, (4096, 5120, 6144, 7168))):
-        for context in contexts:
-            counters.advance(5.0, others=busy, wait=busy or 0.01)
-            judge.observe(context, 1024, (1 + busy) * 1024 * (2e-3 + 1e-7 * (context + 512)))
+                                            prefill_s=prefill_s, door_s=1.0), appended=None, now=0.0)
+    for context in (0, 1024, 2048, 3072):
+        counters.advance(5.0, others=0.0, wait=0.01)
+        judge.observe(context, 1024, 1024 * (2e-3 + 1e-7 * (context + 512)))
+    return counters, judge, job
+
+
+def test_a_quiet_turn_is_carried_to_a_loaded_machine_by_what_the_others_wanted() -> None:
+    """``bench policy``, 4096x2, loaded at the next turn: its quiet sparse turn carried to
+    the busy machine at the fair share of the others' 0.5 (1.5x) held the whole prefix
+    "not yet clear", where the loaded rerun took 2.2-3.5x the quiet one. The others took
+    all this process left them (a demand of the whole machine: 2x), and its slices'
+    threads waited as long as they ran (2x): carried at that, the dense append beats the
+    rerun."""
+    from mlx_recovery_plugin.recovery.costs import Verdict
+
+    counters, judge, job = _quiet_first_turn_with_threads(3.5)
+    for context in (4096, 5120, 6144, 7168):
+        counters.advance(5.0, others=1.0, wait=1.0)
+        judge.observe(context, 1024, 2 * 1024 * (2e-3 + 1e-7 * (context + 512)))
     counters.advance(1.0, others=1.0, wait=1.0)
     judge.note_lookup()  # the next turn arrives, 600 tokens on
     decision = judge.judge(job, 8704, next_tokens=8704 + 600)
@@ -604,18 +614,7 @@ def test_a_load_that_yields_to_this_process_carries_a_turn_at_its_contention() -
     """A ``nice`` build takes half the machine but gives way to this process, whose threads
     hardly waited: the others' demand (2x) would overstate what the load does to its passes,
     and the contention (1.05x) carries the turn."""
-    from mlx_recovery_plugin.events import SparseRouteServed
-    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
-
-    counters = Counters()
-    judge = _judge_with(counters, threads=True)
-    job = RecoveryJob(1, tuple(range(8704)), 8704)
-    counters.advance(10.0, others=0.0, wait=0.01)
-    judge.note_route(job, SparseRouteServed("e", "r", "m", job.tokens, 0, 8704, threshold=8192, keep=0.2,
-                                            prefill_s=6.0, door_s=1.0), appended=None, now=0.0)
-    for context in (0, 1024, 2048, 3072):
-        counters.advance(5.0, others=0.0, wait=0.01)
-        judge.observe(context, 1024, 1024 * (2e-3 + 1e-7 * (context + 512)))
+    counters, judge, job = _quiet_first_turn_with_threads(6.0)
     counters.advance(5.0, others=1.0, wait=0.05)
     judge.note_lookup()
     judge.judge(job, 8704, next_tokens=8704 + 600)
