@@ -411,10 +411,12 @@ class PublishJudge:
         """The regime a sparse turn of the conversation was measured in, and the factor that
         carries it to the current one (:func:`carry_factor`: the two regimes' dense costs
         compared at its kept share where both have evidence there, the others' demand and
-        this process's threads' contention in each); None where it cannot be told, or where the current regime has its own
-        turn. :meth:`judge` shows in the status the last one a verdict took."""
+        this process's threads' contention in each); None where it cannot be told, or where
+        the current regime has its own turn. :meth:`judge` shows in the status the last one
+        a verdict took."""
         if self.regime in route.sparse and self.regime in route.recent:
             return None
+        now = self._load.reading
         for regime, sample in route.sparse.items():
             if regime is self.regime:
                 continue
@@ -425,7 +427,6 @@ class PublishJudge:
             # beyond their evidence differed from what the load did by 0.3-2.7x (bench policy).
             comparable = self.costs.spans(kept, 0) and self._models[regime].spans(kept, 0)
             by_costs = here / there if here and there and comparable else None
-            now = self._load.reading
             by_demand = demand_factor(sample.load, now)
             by_contention = contention_factor(sample.load, now)
             factor = carry_factor(by_costs, by_demand, by_contention)

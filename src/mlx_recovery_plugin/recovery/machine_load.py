@@ -143,14 +143,15 @@ class MachineLoad:
         if total < MIN_WINDOW_S:
             return None
         self._mark = now
-        share = max(0.0, busy - own) / total
+        others = max(0.0, busy - own)
+        share = others / total
         self.last_share = share
         regime = Regime.BUSY if share >= BUSY_SHARE else Regime.QUIET
         if regime is not self._regime:
             self._regime = regime
             self._total_s = self._others_s = self._own_s = self._run_s = self._wait_s = 0.0
         self._total_s += total
-        self._others_s += max(0.0, busy - own)
+        self._others_s += others
         self._own_s += max(0.0, own)
         threads = self._read_threads()
         if threads is not None and self._threads_mark is not None:
@@ -167,9 +168,10 @@ class MachineLoad:
         """The load as of the last window judged (None before one was)."""
         if self.last_share is None or self._total_s <= 0:
             return None
-        demand = self._others_s / self._total_s
         if self._regime is Regime.BUSY:
             demand = min(1.0, self._others_s / max(self._total_s - self._own_s, 1e-9))
+        else:
+            demand = self._others_s / self._total_s
         if self._run_s >= MIN_RUN_S:
             contention = (self._run_s + self._wait_s) / self._run_s
         else:
