@@ -5,8 +5,9 @@ The policy carries a sparse turn across load regimes by the mildest of three est
 demand (their share of what this process left them) and this process's threads'
 contention (time waiting for a core over time on one, ``/proc/self/task/*/schedstat``).
 This script times passes of 256 and 2,048 tokens, and 512 over 4,096 cached, quiet and
-with one busy process per core, alternating, and prints beside each pass's slowdown the
-threads' reading, the fair share of the others' share and their demand over the pass.
+with one busy process per core, alternating, and prints beside each pass's slowdown what
+the policy's ``MachineLoad`` read over it: the threads' contention, the fair share of the
+others' share and their demand.
 
     python examples/thread_waits_under_load.py MODEL_DIR [--rounds 2]
 
@@ -18,45 +19,45 @@ Run it alone on the machine; say which BLAS MLX used (the system OpenBLAS throug
 from __future__ import annotations
 
 import argparse
-import os
+import math
 import statistics
-import subprocess
-import sys
 import time
+from contextlib import nullcontext
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_recovery_plugin.recovery.machine_load import read_counters, read_thread_times
+from mlx_recovery_plugin.bench.policy.load import CompetingLoad
+from mlx_recovery_plugin.recovery.machine_load import MachineLoad
 
 PASSES = ((256, 0), (2048, 0), (512, 4096))
-
-
-def threads_total() -> tuple[float, float]:
-    times = read_thread_times() or {}
-    return sum(t[0] for t in times.values()), sum(t[1] for t in times.values())
+# A window shorter than this may be too short for the counters (MIN_WINDOW_S of CPU time):
+# a shorter pass is repeated, each time over a fresh cache, and timed on average.
+MIN_WALL_S = 0.3
 
 
 def timed_pass(model: object, tokens: int, context: int) -> dict[str, float]:
-    cache = make_prompt_cache(model)
-    for _ in range(0, context, 2048):
-        mx.eval(model(mx.array([[5] * 2048]), cache=cache))  # type: ignore[operator]
-    run0, wait0 = threads_total()
-    marks0 = read_counters()
-    start = time.perf_counter()
-    mx.eval(model(mx.array([[7] * tokens]), cache=cache))  # type: ignore[operator]
-    seconds = time.perf_counter() - start
-    run1, wait1 = threads_total()
-    marks1 = read_counters()
-    assert marks0 is not None and marks1 is not None, "no CPU counters on this system"
-    busy, total, own = (b - a for a, b in zip(marks0, marks1, strict=True))
-    share, own_share = max(0.0, busy - own) / total, own / total
+    """One pass's seconds and what the policy's :class:`MachineLoad` read over it."""
+    machine: MachineLoad | None = None
+    passes, elapsed = 0, 0.0
+    while elapsed < MIN_WALL_S:
+        cache = make_prompt_cache(model)
+        for _ in range(0, context, 2048):
+            mx.eval(model(mx.array([[5] * 2048]), cache=cache))  # type: ignore[operator]
+        machine = machine or MachineLoad()  # its window opens at the first timed pass
+        start = time.perf_counter()
+        mx.eval(model(mx.array([[7] * tokens]), cache=cache))  # type: ignore[operator]
+        elapsed += time.perf_counter() - start
+        passes += 1
+    assert machine is not None
+    reading = machine.reading if machine.look() is not None else None
+    nan = math.nan
     return {
-        "seconds": seconds,
-        "threads": (run1 - run0 + wait1 - wait0) / max(run1 - run0, 1e-9),
-        "fair_share": 1 + share,
-        "demand": 1 + min(1.0, share / max(1 - own_share, 1e-9)),
+        "seconds": elapsed / passes,
+        "threads": reading.contention if reading else nan,
+        "fair_share": 1 + reading.share if reading else nan,
+        "demand": 1 + reading.demand if reading else nan,
     }
 
 
@@ -71,15 +72,10 @@ def main() -> None:
     rows: dict[tuple[int, int, bool], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for loaded in (False, True):
-            load_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                          for _ in range(os.cpu_count() or 1)] if loaded else []
-            try:
-                time.sleep(0.3)
+            with CompetingLoad() if loaded else nullcontext():
+                time.sleep(0.3)  # the busy processes running
                 for tokens, context in PASSES:
                     rows.setdefault((tokens, context, loaded), []).append(timed_pass(model, tokens, context))
-            finally:
-                for proc in load_procs:
-                    proc.kill()
     print("pass                slowed  threads  fair share  demand   (loaded; medians)")
     for tokens, context in PASSES:
         quiet = statistics.median(r["seconds"] for r in rows[(tokens, context, False)])

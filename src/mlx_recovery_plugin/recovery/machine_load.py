@@ -14,9 +14,9 @@ which this process's passes competed for the cores, others who would saturate th
 show a share of 0.5-0.8 (they got what this process left). Their **demand** is the share
 they took of what this process left; and the **contention** is how long this process's
 threads waited for a core beside their time on one (Linux ``/proc/self/task/*/schedstat``).
-On this project's 2-core CPU under two busy processes a 2,048-token pass ran 2.0x slower:
-the demand said 2x, the threads 2.4-2.7x, the fair share of the others' 0.65 1.65x; a
-256-token pass ran 6.9-7.5x slower and its threads read 9.4-9.7x
+On this project's 2-core CPU under two busy processes a 2,048-token pass ran 1.9-2.0x
+slower: the demand said 2x, the threads 2.4-2.7x, the fair share of the others' 0.65
+1.65x; a 256-token pass ran 6.9-7.7x slower and its threads read 9.4-10.0x
 (``examples/thread_waits_under_load.py``). Short passes wait longest, and
 under load a recovery's slices are short, so the threads overstate what a host's long
 turn meets; the demand counts a pass as wanting every core, which a pass on a GPU, or one
