@@ -3,20 +3,8 @@
 Differences are signed (recovery minus the other arm: negative = recovery is faster).
 The oracle is what a fully recovered cache gives: sparse on's first turn of each
 conversation plus sparse off's later turns. The best reachable is the oracle limited by
-what recovery can re-read in the idle time it had: a later turn counts at sparse off's
-time only once the dense rate (sparse off's first turn) times the budget times the idle
-time since the conversation's first turn covers the conversation's previous prompt, and
-at sparse on's time before that (per conversation, as if it had the idle time alone); a
-turn where recovery did restore about as much as sparse off had cached counts as
-reachable whatever the rate says (the slices can outrun the server's first prefill);
-with ``--load-first-turn``, the loaded gap at the loaded first turn's rate and the quiet
-ones at the cost balance's rate (measured alone). In
-a concurrent session the idle time is the recovery arm's own: the time since the
-conversation's first answer during which no request was in flight, and the dense rate is
-the unqueued one the cost balance measured on the target alone (a dense prefill of the
-conversation's first prompt; before the balance is in, the fastest of sparse off's first
-turns, which queued behind each other and so is a lower bound). A figure that is missing
-is an error.
+what recovery can re-read in the idle time it had, one pool of idle time shared by the
+conversations (:mod:`.reachable`). A figure that is missing is an error.
 
 Whether a turn was served sparse is read from the server's log (the line its sparse
 route writes per request); where no turn of the sparse-on arm was, the report says so
@@ -26,22 +14,18 @@ instead of printing ratios, which then compare dense with dense.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...demo.report import ARM_TITLES, ARMS
+from .reachable import best_reachable_steps
 from .repeats import RepeatPair, repeat_lines, repeats_summary
 from .turn_ratios import count_later_turns, later_turn_ratios, same_queue_ratios
 from .work_shares import committed_share, held_share
 
 ORACLE = "oracle"
 BEST = "best_reachable"
-# A later turn whose cached tokens with recovery came within this of sparse off's was
-# reachable, whatever the rate rule says (a block of oMLX's): recovery's slices can run
-# faster than the server's own first prefill that rates the rule.
-REACHED_SLACK_TOKENS = 256
 # Status fields worth a line in the report; any per-engine field about the publish
 # policy or a stand-down is added as it comes.
 _ENGINE_KEYS = ("policy", "stand", "reason", "refusal")
@@ -138,89 +122,6 @@ def oracle_steps(off: ArmRun, on: ArmRun) -> list[float]:
     if len(off.steps) != len(on.steps):
         raise ValueError("arms served different numbers of steps")
     return [b.ttft_s if a.turn == 1 and not a.label else a.ttft_s for a, b in zip(off.steps, on.steps)]
-
-
-def best_reachable_steps(
-    off: ArmRun, on: ArmRun, rec: ArmRun, budget_pct: float, dense_rate: float | None = None,
-) -> list[float]:
-    """Per step: the oracle's time once recovery could have re-read the conversation's
-    previous prompt in the idle time the recovery arm had since its first turn (or did:
-    its cached tokens came within :data:`REACHED_SLACK_TOKENS` of sparse off's), or sparse
-    on's where that is faster (a policy may leave a prefix unpublished); sparse on's
-    before (see the module docstring). ``dense_rate``: tokens a second of an
-    unqueued dense prefill, for a concurrent session."""
-    if not (len(off.steps) == len(on.steps) == len(rec.steps)):
-        raise ValueError("arms served different numbers of steps")
-    rereadable = _rereadable(off, rec, dense_rate)
-    first: dict[str, int] = {}
-    previous: dict[str, int] = {}
-    out = []
-    for index, (a, b) in enumerate(zip(off.steps, on.steps)):
-        conv = a.conversation.rstrip("'")
-        if conv not in first:
-            first[conv] = index
-            out.append(b.ttft_s)
-        else:
-            readable = budget_pct / 100.0 * rereadable(first[conv], index)
-            reached = a.cached_tokens > 0 and rec.steps[index].cached_tokens >= a.cached_tokens - REACHED_SLACK_TOKENS
-            # Reachable: the faster route (a policy may leave a prefix unpublished).
-            out.append(min(a.ttft_s, b.ttft_s) if readable >= previous[conv] or reached else b.ttft_s)
-        previous[conv] = a.prompt_tokens
-    return out
-
-
-def _rereadable(off: ArmRun, rec: ArmRun, dense_rate: float | None = None) -> Callable[[int, int], float]:
-    """Tokens a dense pass could re-read in the idle time the recovery arm had from step
-    ``first`` (a conversation's first turn) to step ``index``, with the whole machine.
-
-    Turns one after another: each think time in between at the rate of that
-    conversation's sparse-off first turn; where a competing load ran through a step and
-    its gap (``--load-first-turn``), that gap at the rate of sparse off's loaded first turn
-    and the quiet gaps at ``dense_rate`` (the cost balance's, measured alone), as the
-    loaded first turn says nothing of a quiet machine. A concurrent session (every step
-    timed): the time no request was in flight, at ``dense_rate`` if given, else the
-    fastest sparse-off first turn (the others queued); where the load ran in the recovery
-    arm (``rec.load_s``), that time at the rate of sparse off's first loaded turn."""
-
-    def off_rate(i: int) -> float:
-        return off.steps[i].prompt_tokens / max(off.steps[i].ttft_s, 1e-9)
-
-    loaded = [i for i, step in enumerate(off.steps) if step.loaded]
-    loaded_rate = off_rate(loaded[0]) if loaded else None
-    timed = [(s.sent_s, s.done_s) for s in rec.steps]
-    if rec.steps and all(sent is not None and done is not None for sent, done in timed):
-        busy = [(float(sent), float(done)) for sent, done in timed]  # type: ignore[arg-type]
-        fastest = max((off_rate(i) for i, a in enumerate(off.steps) if a.turn == 1 and not a.label), default=0.0)
-        if dense_rate is not None:
-            fastest = dense_rate
-        if rec.load_s is None or loaded_rate is None:
-            return lambda first, index: fastest * _idle_seconds(busy, busy[first][1], busy[index][0])
-        slow, (_, until) = loaded_rate, rec.load_s
-
-        def concurrent_loaded(first: int, index: int) -> float:
-            start, end = busy[first][1], busy[index][0]
-            under = _idle_seconds(busy, start, min(end, until)) if start < until else 0.0
-            return slow * under + fastest * (_idle_seconds(busy, start, end) - under)
-
-        return concurrent_loaded
-
-    def sequential(first: int, index: int) -> float:
-        quiet = dense_rate if loaded and dense_rate is not None else off_rate(first)
-        return sum(s.idle_after_s * (loaded_rate if s.loaded and loaded_rate is not None else quiet)
-                   for s in rec.steps[first:index])
-
-    return sequential
-
-
-def _idle_seconds(busy: list[tuple[float, float]], start: float, end: float) -> float:
-    """Seconds of ``[start, end]`` that no interval of ``busy`` covers."""
-    covered, cursor = 0.0, start
-    for a, b in sorted(busy):
-        a, b = max(a, cursor), min(b, end)
-        if b > a:
-            covered += b - a
-            cursor = b
-    return max(0.0, end - start - covered)
 
 
 @dataclass(slots=True)
