@@ -396,6 +396,47 @@ def test_interleaved_sessions_keep_their_jobs_and_the_latest_is_recovered_first(
     assert b2.cached_tokens == len(b) // B * B
 
 
+def _conversations_with_a_known_gap(rig: Rig, served_at: dict[str, float]) -> dict[str, list[int]]:
+    """Conversation A served twice 30 s apart (the gap the engine learns), then the others
+    at ``served_at`` (seconds after A's second turn, in that order); a dense cost of 1 ms
+    a token fitted, so a 384-token job takes 0.77 s at the 50 % budget."""
+    system = random_tokens(60, 64)
+    prompts = {name: system + random_tokens(61 + i, 330) for i, name in enumerate(["a", *served_at])}
+    rig.serve("e", prompts["a"][:200])
+    rig.clock.advance(30.0)
+    rig.serve("e", prompts["a"])
+    start = rig.clock.now
+    for name, after in served_at.items():
+        rig.clock.now = start + after
+        rig.serve("e", prompts[name])
+    judge = rig.plugin._engines["e"].judge
+    for context in (0, 128, 256):
+        judge.observe(context, 64, 0.064)
+    assert judge.costs.fitted
+    return prompts
+
+
+def test_the_conversation_due_back_first_is_recovered_first(make_rig) -> None:
+    """A's turns came 30 s apart and B came 10 s after A's second: both are expected back
+    30 s after their last turn, A first. Before, the most recently served (B) went first,
+    and A came back to a prefix not done while B's waited 10 s more."""
+    rig = make_rig(host_clock=TickingClock())
+    prompts = _conversations_with_a_known_gap(rig, {"b": 10.0})
+    jobs = rig.engine_status()["jobs"]
+    assert sorted(job["due_in_s"] for job in jobs) == pytest.approx([20.0, 30.0])
+    rig.host.drive_idle(max_steps=3)
+    assert rig.begun[0][0][:100] == tuple(prompts["a"][:100])
+
+
+def test_a_job_that_cannot_finish_before_its_conversation_is_back_yields_to_one_that_can(make_rig) -> None:
+    """A is due back in 0.5 s and needs 0.77: C, due in 5.5 s, goes first (not B, served
+    last and due last)."""
+    rig = make_rig(host_clock=TickingClock())
+    prompts = _conversations_with_a_known_gap(rig, {"c": 5.0, "b": 29.5})
+    rig.host.drive_idle(max_steps=3)
+    assert rig.begun[0][0][:100] == tuple(prompts["c"][:100])
+
+
 def test_jobs_per_engine_are_bounded_dropping_the_least_recently_served(make_rig) -> None:
     rig = make_rig(make_settings(max_jobs_per_engine=2))
     sessions = [random_tokens(70 + i, 300) for i in range(3)]

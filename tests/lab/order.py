@@ -3,11 +3,13 @@
 One engine on the mock host, two conversations, the same schedule served by two arms
 that differ only in how the recovery service picks its next job:
 
-* **default**: the plugin as shipped (``EngineRecovery._most_worth_it``): the job in hand
-  (the last slice's), else the most recently served one, unless another is expected to
-  save ``CLEARLY_MORE`` times as much per token of work still to run;
+* **default**: the plugin as shipped (``EngineRecovery._most_worth_it``): once a gap
+  between two turns was seen, the job due back first that can still be finished before
+  it is; else the job in hand (the last slice's), else the most recently served one,
+  unless another is expected to save ``CLEARLY_MORE`` times as much per token of work
+  still to run;
 * **recency**: pure recency, by setting ``recovery.service.CLEARLY_MORE`` to infinity and
-  ``FINISH_IN_HAND`` off for that arm only (put back after it).
+  ``FINISH_IN_HAND`` and ``DUE_FIRST`` off for that arm only (put back after it).
 
 The schedule is one a server with several agents sees: conversation A (long) is served
 sparse and mostly recovered in the idle gap that follows; conversation B arrives and is
@@ -129,13 +131,13 @@ def think_seconds(session: ArmSession, seconds: float) -> None:
 @contextmanager
 def ordering(name: str) -> Iterator[None]:
     """The job order of one arm: the plugin's own, or pure recency (see the module docstring)."""
-    saved = service.CLEARLY_MORE, service.FINISH_IN_HAND
+    saved = service.CLEARLY_MORE, service.FINISH_IN_HAND, service.DUE_FIRST
     if name == "recency":
-        service.CLEARLY_MORE, service.FINISH_IN_HAND = math.inf, False
+        service.CLEARLY_MORE, service.FINISH_IN_HAND, service.DUE_FIRST = math.inf, False, False
     try:
         yield
     finally:
-        service.CLEARLY_MORE, service.FINISH_IN_HAND = saved
+        service.CLEARLY_MORE, service.FINISH_IN_HAND, service.DUE_FIRST = saved
 
 
 def conversations(schedule: OrderSchedule) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -288,7 +290,7 @@ def format_report(report: OrderReport) -> str:
         f"gaps (idle seconds recovery gets) from the dense prefill of A ({report.dense_s[0]:.2f} s) and B "
         f"({report.dense_s[1]:.2f} s): gap 1 = {s.a_share:g} A, gap 2 = {1 - s.a_share:g} A + {s.b_share:g} B, "
         f"gap 3 = {s.between_share:g} B",
-        "recency arm: recovery.service.CLEARLY_MORE set to inf and FINISH_IN_HAND off (pure recency); "
+        "recency arm: recovery.service.CLEARLY_MORE set to inf, FINISH_IN_HAND and DUE_FIRST off (pure recency); "
         "default: the plugin as shipped",
         "",
         f"{'arm':<10} | {'A back: cached / ttft s':>24} | {'B back: cached / ttft s':>24} | {'sum s':>7} | "

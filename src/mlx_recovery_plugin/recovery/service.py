@@ -20,7 +20,7 @@ live state, the ledger, the sizer and the judge, and it holds ``_work`` while it
 Cancellation may come from any thread (shutdown, unload) through
 :class:`~.cancellation.Cancellation`; the canceller then either drops the state itself
 (``_work`` free) or leaves that to the engine thread when its slice returns. The job book,
-the counters, ``last_refusal`` and ``host_refuses`` are guarded by ``_lock``, which is
+the counters, ``last_refusal``, ``host_refuses`` and the return times are guarded by ``_lock``, which is
 only ever held briefly; :meth:`snapshot` copies them under it.
 """
 
@@ -47,6 +47,7 @@ from .ledger import ReleaseLedger
 from .live import LiveDense, RunnerFactory, Start, default_runner_factory
 from .outcomes import KEEP_LIVE_THROUGH, FaultKind, Refusal, runner_fault_kind
 from .publication import PublicationError, publish
+from .returns import ReturnTimes, due_first
 from .runnable import RunnableGate, held_memory_bound, machine_memory_bytes
 from .slice_size import SliceSizer
 from .status import EngineCounters, EngineStatus, JobStatus
@@ -74,6 +75,9 @@ CLEARLY_MORE = 2.0
 # Whether the job in hand is the one to beat (the lab's order bench turns it off for its
 # pure-recency arm).
 FINISH_IN_HAND = True
+# Whether the job due back first that can still be finished goes first (:mod:`.returns`;
+# the lab's order bench turns it off for its pure-recency arm).
+DUE_FIRST = True
 
 
 class EngineRecovery:
@@ -99,7 +103,7 @@ class EngineRecovery:
         self._arrivals = arrivals
         self._clock = clock
 
-        self._lock = threading.RLock()  # book, counters, last_refusal, host_refuses
+        self._lock = threading.RLock()  # book, counters, last_refusal, host_refuses, _returns
         self._work = threading.RLock()  # held by the engine thread for a whole idle step
         self._cancel = Cancellation()
         self.book = JobBook(self.block_size, settings.max_jobs_per_engine)
@@ -127,6 +131,8 @@ class EngineRecovery:
         # The job the last slice was for: worked on until it is done unless another saves
         # clearly more (engine thread only).
         self._in_hand: int | None = None
+        # When each conversation is expected back (under _lock).
+        self._returns = ReturnTimes()
         self._max_held_bytes = held_memory_bound(settings.max_held_mib, machine_memory_bytes())
 
     @property
@@ -152,7 +158,9 @@ class EngineRecovery:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)
             if offer.job is not None:
                 self.judge.note_route(offer.job, event, offer.appended, self._clock())
+                self._returns.turn(offer.job.job_id, self._clock(), event.request_id)
             self.judge.keep_only(self.book.known_ids())
+            self._returns.keep_only(self.book.known_ids())
             if offer.relation in (Relation.UNRELATED, Relation.FORKS):
                 self.counters.jobs_queued += 1
             elif offer.relation is Relation.EXTENDS:
@@ -273,7 +281,7 @@ class EngineRecovery:
     def snapshot(self) -> EngineStatus:
         now = self._clock()
         with self._lock:
-            jobs = tuple(JobStatus.of(job, self.block_size, now) for job in self.book)
+            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id)) for job in self.book)
             live_job = self._live.job
             return EngineStatus(
                 engine_id=self.engine_id,
@@ -555,16 +563,22 @@ class EngineRecovery:
             log.info("mlx-recovery: engine %s: %d held block(s) dropped (%s)", self.engine_id, dropped, reason.value)
 
     def _most_worth_it(self, now: float) -> RecoveryJob | None:
-        """Under ``_lock``: the job in hand (the one the last slice was for), else the most
-        recently served runnable job, unless another is expected to save clearly more per
-        token of work (the policy's estimate). Timings of like conversations differ by
-        noise, so the estimate alone would flit between them; and a prefix is worth little
-        until it is whole (the policy holds a partial one back), so idle time spread over
-        several conversations finishes none, while worked one at a time each conversation
-        finished is restored from then on."""
+        """Under ``_lock``: of the jobs that can be finished before their conversation is
+        expected back, the one due first (:mod:`.returns`). Else the job in hand (the one
+        the last slice was for), else the most recently served runnable job, unless
+        another is expected to save clearly more per token of work (the policy's
+        estimate). Timings of like conversations differ by noise, so the estimate alone
+        would flit between them; and a prefix is worth little until it is whole (the
+        policy holds a partial one back), so idle time spread over several conversations
+        finishes none, while worked one at a time each conversation finished is restored
+        from then on."""
         candidates = self.book.runnable(now)
         if not candidates:
             return None
+        if DUE_FIRST:
+            due = due_first(candidates, now=now, due=lambda job: self._returns.due(job.job_id), work_s=self._work_s)
+            if due is not None:
+                return due
         in_hand = self._in_hand if FINISH_IN_HAND else None
         best = next((job for job in candidates if job.job_id == in_hand), candidates[0])
         best_saving = self.judge.expected_saving(best, now)
@@ -575,6 +589,14 @@ class EngineRecovery:
             if saving > CLEARLY_MORE * best_saving:
                 best, best_saving = job, saving
         return best
+
+    def _work_s(self, job: RecoveryJob) -> float | None:
+        """Wall seconds the rest of ``job`` takes at the budget's share (None while the
+        dense cost is not known)."""
+        frontier = job.frontier(self.block_size)
+        seconds = self.judge.costs.seconds(max(0, job.publish_end(self.block_size) - frontier), frontier)
+        share = self._budget.pct / 100.0
+        return None if seconds is None or share <= 0 else seconds / share
 
     def _reopen_stood_down(self) -> bool:
         """Under ``_lock``: jobs stood down on evidence the cost model has since outgrown
@@ -717,6 +739,7 @@ class EngineRecovery:
         with self._lock:
             dropped = self.book.clear()
             self.judge.keep_only(())
+            self._returns.keep_only(())
             self.counters.jobs_cancelled += len(dropped)
             if self.closed:
                 self._live.drop_runner()

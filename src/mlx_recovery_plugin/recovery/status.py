@@ -30,10 +30,14 @@ class JobStatus:
     held_tokens: int = 0
     stood_down: str | None = None
     paused: str | None = None
+    #: Seconds until the conversation is expected back (negative: it is late); None
+    #: before a gap between two turns was seen (:mod:`.returns`).
+    due_in_s: float | None = None
 
     @classmethod
-    def of(cls, job: RecoveryJob, block_size: int, now: float) -> JobStatus:
-        """A copy of ``job``'s figures (under the lock that guards the job)."""
+    def of(cls, job: RecoveryJob, block_size: int, now: float, due: float | None = None) -> JobStatus:
+        """A copy of ``job``'s figures (under the lock that guards the job); ``due``: when
+        its conversation is expected back."""
         return cls(
             job_id=job.job_id,
             tokens=len(job.tokens),
@@ -47,6 +51,7 @@ class JobStatus:
             held_tokens=len(job.held) * block_size,
             stood_down=job.stood_down,
             paused=job.paused,
+            due_in_s=None if due is None else round(due - now, 3),
         )
 
 

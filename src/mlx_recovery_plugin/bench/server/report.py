@@ -29,6 +29,7 @@ BEST = "best_reachable"
 # Status fields worth a line in the report; any per-engine field about the publish
 # policy or a stand-down is added as it comes.
 _ENGINE_KEYS = ("policy", "stand", "reason", "refusal")
+_JOB_KEYS = ("job_id", "committed", "held_tokens", "publish_end", "due_in_s", "paused", "stood_down")
 
 
 @dataclass(slots=True)
@@ -102,7 +103,12 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
         for key, value in engine.items():
             if any(k in key for k in _ENGINE_KEYS) and value not in (None, {}, []):
                 out[key] = value
+        if engine.get("jobs"):
+            # Per job: committed, held and whole-prefix tokens, and when it is due back.
+            out["jobs"] = [{k: job.get(k) for k in _JOB_KEYS} for job in engine["jobs"] if isinstance(job, dict)]
         counters = engine.get("counters") or {}
+        if counters.get("slices_interrupted"):
+            out["slices_interrupted"] = counters["slices_interrupted"]
         if counters.get("refusals"):
             out["refusals"] = counters["refusals"]
         if counters.get("arrival_publications"):
