@@ -428,6 +428,18 @@ def test_the_conversation_due_back_first_is_recovered_first(make_rig) -> None:
     assert rig.begun[0][0][:100] == tuple(prompts["a"][:100])
 
 
+def test_a_dense_turn_of_a_known_conversation_teaches_when_conversations_come_back(make_rig) -> None:
+    """A's second turn came 30 s after its first and was prefilled densely (as a turn over
+    a restored prefix is): the engine learns the 30 s gap from it all the same."""
+    rig = make_rig(host_clock=TickingClock())
+    a = random_tokens(61, 330)
+    rig.serve("e", a[:200])
+    assert rig.engine_status()["jobs"][0]["due_in_s"] is None
+    rig.clock.advance(30.0)
+    rig.serve("e", a, sparse=False)
+    assert [job["due_in_s"] for job in rig.engine_status()["jobs"]] == [pytest.approx(30.0)]
+
+
 def test_a_job_that_cannot_finish_before_its_conversation_is_back_yields_to_one_that_can(make_rig) -> None:
     """A is due back in 0.5 s and needs 0.77: C, due in 5.5 s, goes first (not B, served
     last and due last)."""

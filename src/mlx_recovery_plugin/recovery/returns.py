@@ -13,10 +13,14 @@ the rest of the idle time: the order then falls back to the job in hand and the
 expected saving (:meth:`~.service.EngineRecovery._most_worth_it`).
 
 The median across conversations, not each one's own: a conversation has one or two gaps
-at most when it matters, and agents with the same task think alike. A gap runs from one
-turn being served to the next being served, so it includes the next turn's own prefill:
-a conversation is expected back that much late, which errs towards a job looking
-feasible when it is not quite (it is then finished soon after the turn, for the next).
+at most when it matters, and agents with the same task think alike. A turn is taken when
+the host tells of it first: its prefill for a conversation the engine knows (a dense turn
+over a restored prefix too; before, only sparse turns counted, and a conversation whose
+prefix was restored taught nothing), else its sparse route for a new one. A gap so runs
+from one turn's first token to the next one's, and includes the next turn's own
+prefill: a conversation is expected back that much late, which errs towards a job
+looking feasible when it is not quite (it is then finished soon after the turn, for the
+next).
 
 Threads: owned by one engine's recovery service and changed on its engine thread (the
 host's hooks, the idle steps); read and changed under the service's lock, as the status

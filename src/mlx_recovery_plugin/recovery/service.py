@@ -171,11 +171,15 @@ class EngineRecovery:
             self.foreground()
 
     def prefilled(self, event: RequestPrefilled) -> None:
-        """The host prefilled a request: the publish policy learns what it really cost."""
+        """The host prefilled a request: the publish policy learns what it really cost, and
+        the return times that its conversation came back."""
         if self.closed or not event.tokens:
             return
         with self._lock:
             job = self.book.conversation_of(event.tokens)
+            if job is not None:
+                # Every turn of a known conversation, a dense one over a restored prefix too.
+                self._returns.turn(job.job_id, self._clock(), event.request_id)
         self.judge.observe_turn(job, event)
 
     def lookup_due(self, event: LookupDue) -> None:
