@@ -20,8 +20,8 @@ live state, the ledger, the sizer and the judge, and it holds ``_work`` while it
 Cancellation may come from any thread (shutdown, unload) through
 :class:`~.cancellation.Cancellation`; the canceller then either drops the state itself
 (``_work`` free) or leaves that to the engine thread when its slice returns. The job book,
-the counters, ``last_refusal``, ``host_refuses`` and the return times are guarded by ``_lock``, which is
-only ever held briefly; :meth:`snapshot` copies them under it.
+the counters, ``last_refusal``, ``host_refuses`` and the return times are guarded by
+``_lock``, which is only ever held briefly; :meth:`snapshot` copies them under it.
 """
 
 from __future__ import annotations
@@ -157,10 +157,12 @@ class EngineRecovery:
         with self._lock:
             offer = self.book.offer(event.tokens, event.served_start, event.served_end)
             if offer.job is not None:
-                self.judge.note_route(offer.job, event, offer.appended, self._clock())
-                self._returns.turn(offer.job.job_id, self._clock(), event.request_id)
-            self.judge.keep_only(self.book.known_ids())
-            self._returns.keep_only(self.book.known_ids())
+                now = self._clock()
+                self.judge.note_route(offer.job, event, offer.appended, now)
+                self._returns.turn(offer.job.job_id, now, event.request_id)
+            known = self.book.known_ids()
+            self.judge.keep_only(known)
+            self._returns.keep_only(known)
             if offer.relation in (Relation.UNRELATED, Relation.FORKS):
                 self.counters.jobs_queued += 1
             elif offer.relation is Relation.EXTENDS:
