@@ -303,6 +303,47 @@ def test_with_a_loaded_first_turn_only_the_loaded_gap_counts_at_the_loaded_rate(
     assert result.sums()["best_reachable"] == pytest.approx(2.0 + 3.0 + 1.1)
 
 
+def test_the_idle_time_before_a_turn_is_what_the_server_had_not_just_the_think_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The best reachable rates the recovery arm's idle time; a status read that takes
+    16 s after a 40 s think time left the server idle 56 s, and the step says so (the
+    last step, with no turn after it, stays 0)."""
+    from mlx_recovery_plugin.bench.server import run as run_mod
+    from mlx_recovery_plugin.bench.server import sessions
+    from mlx_recovery_plugin.bench.server.client import TurnMeasure
+
+    clock = SimpleNamespace(now=0.0)
+    fake_time = SimpleNamespace(monotonic=lambda: clock.now,
+                                sleep=lambda s: setattr(clock, "now", clock.now + s))
+    reads = iter([16.0, 0.01, 0.01])
+
+    def read_status(server: object) -> dict[str, object]:
+        clock.now += next(reads)
+        return {"process": {"tokens_recovered": 0}}
+
+    def answer(client: object, model: str, messages: list[dict[str, str]], **kwargs: object) -> TurnMeasure:
+        clock.now += 3.0
+        return TurnMeasure(prompt_tokens=9000, cached_tokens=0, ttft_s=2.5, total_s=3.0, completion_tokens=2,
+                           text="ab")
+
+    monkeypatch.setattr(run_mod, "time", fake_time)
+    monkeypatch.setattr(run_mod, "_read_status", read_status)
+    monkeypatch.setattr(run_mod, "send_turn", answer)
+    monkeypatch.setattr(run_mod, "sparse_lines", lambda host, log: None)
+    config = run_mod.BenchConfig(workdir=tmp_path, pair=ModelPair(tmp_path, "target", "draft"))
+    session = sessions.agent(sessions.Shape(turns=3), think_s=40.0)
+    rec = ArmRun("sparse_recovery")
+    server = SimpleNamespace(log_text=lambda: "")
+    run_mod._serve_steps(config, config.pair, session, "sparse_recovery", server, None, lambda line: None,
+                         "test", rec, None)
+    assert [s.idle_after_s for s in rec.steps] == pytest.approx([56.0, 40.01, 0.0])
+    off = ArmRun("sparse_off")
+    run_mod._serve_steps(config, config.pair, session, "sparse_off", server, None, lambda line: None,
+                         "test", off, None)
+    assert [s.idle_after_s for s in off.steps] == pytest.approx([1.0, 1.0, 0.0])  # no status read, 1 s waits
+
+
 # -- the real server -------------------------------------------------------------------
 
 

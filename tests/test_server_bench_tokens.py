@@ -203,8 +203,10 @@ def test_the_first_turn_load_runs_through_the_first_turn_only_and_leaves_no_proc
     running, run = _serve_with_a_watched_load(monkeypatch, loads)
     assert running == [True, False, False]
     assert [step.loaded for step in run.steps] == [True, False, False]
-    # Sparse off waits only idle_wait_s (0 here) between turns, but the loaded gap in full.
-    assert [step.idle_after_s for step in run.steps] == [0.05, 0.0, 0.0]
+    # Sparse off waits only idle_wait_s (0 here) between turns, but the loaded gap in full
+    # (each gap as measured: the wait and the bench's own work before the next send).
+    idle = [step.idle_after_s for step in run.steps]
+    assert idle[0] >= 0.05 and idle[1] < idle[0] and idle[2] == 0.0
     assert len(loads) == 1 and not loads[0].running
 
 

@@ -231,6 +231,7 @@ def _serve_steps(
     client: Any, progress: Progress, tag: str, run: ArmRun, load: CompetingLoad | None,
 ) -> None:
     zero = config.host.omits_zero_cached
+    answered_at: float | None = None
     for index, step in enumerate(session.steps):
         loaded = load is not None and index == 0
         if load is not None:
@@ -239,8 +240,13 @@ def _serve_steps(
             else:
                 load.stop()
         seen = sparse_lines(config.host, server.log_text())
+        if answered_at is not None:
+            # The idle time the server had before this turn, as it was: the think time and
+            # whatever the bench took after it (the plugin's status read once took 16 s).
+            run.steps[-1].idle_after_s = time.monotonic() - answered_at
         measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
                             absent_cached_is_zero=zero)
+        answered_at = time.monotonic()
         sparse = None if seen is None else (sparse_lines(config.host, server.log_text()) or 0) > seen
         last = index == len(session.steps) - 1
         # A loaded gap is waited out in every arm: what a machine is like after a minute
