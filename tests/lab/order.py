@@ -44,6 +44,7 @@ from typing import Any
 
 from mlx_recovery_plugin.bench.balance import measure_or_say_why
 from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
+from mlx_recovery_plugin.bench.server.models import parse_target
 from mlx_recovery_plugin.demo.arms import ENGINE_ID, ArmSession, Models, ServeConfig
 from mlx_recovery_plugin.demo.session import Turn
 from mlx_recovery_plugin.recovery import service
@@ -52,11 +53,13 @@ from mlx_recovery_plugin.testing.tiny_model import BENCH_DRAFT, TinyModelSpec, c
 from .runner import BenchHandle, bench_tokens, plain_prefill
 from .stats import Spread, spread
 
-# Matrix products dominate its prefill, as in a real model (4 query heads of 128, one
-# key/value head, feed-forward 2.75x hidden); small enough for one arm in well under a minute.
+# Heavy enough beside the 128x2 draft that the mock's sparse route costs about a quarter of a
+# dense prefill (0.23x here; the real server's bench pair 0.30x): on the 1024x2 target used
+# before, the draft's scoring alone cost as much as a dense prefill, so a partial prefix paid
+# in proportion and no order could show. One arm takes about half a minute.
 ORDER_TARGET = TinyModelSpec(
-    arch="llama", hidden_size=1024, num_layers=2, num_heads=4, num_kv_heads=1,
-    intermediate_size=2816, seed=21, extra=(("head_dim", 128),),
+    arch="llama", hidden_size=2048, num_layers=4, num_heads=16, num_kv_heads=4,
+    intermediate_size=5632, seed=21, extra=(("head_dim", 128),),
 )
 ORDERINGS = ("default", "recency")
 BASELINES = ("sparse_on", "sparse_off")
@@ -77,7 +80,10 @@ class OrderSchedule:
     # first turn is sparse, and a later turn over a partial prefix is prefilled densely.
     sparse_threshold: int = 3072
     a_share: float = 0.75  # of A's dense time, the idle time after A's first turn
-    b_share: float = 0.3  # of B's dense time, what the gap after B adds to A's remainder
+    # Of B's dense time, what the gap after B adds to A's remainder. Slices re-read at about
+    # 0.8 of a plain prefill's rate here (A's job reached 3,840-4,096 tokens in 1.24x A's
+    # dense time), so 0.5 leaves the job in hand room to finish and B still far from whole.
+    b_share: float = 0.5
     between_share: float = 0.1  # of B's dense time, the idle time between A's and B's return
     block_size: int = 256
     # The whole of each gap goes to recovery (one window of an hour at 100 %): the gaps are
@@ -110,7 +116,7 @@ class ArmRun:
     first_turns_s: float = 0.0
     # Tokens of each conversation's last prompt the host restored when A came back.
     restorable_at_a_return: dict[str, int] = field(default_factory=dict)
-    # Each conversation's job then, as "committed+held/end" (and why it stood down), if any.
+    # Each conversation's job then, as "committed+held/end" (and whether it stood down or why it paused).
     jobs_at_a_return: dict[str, str] = field(default_factory=dict)
     tokens_recovered: int = 0
     wall_s: float = 0.0
@@ -138,6 +144,21 @@ def ordering(name: str) -> Iterator[None]:
         yield
     finally:
         service.CLEARLY_MORE, service.FINISH_IN_HAND, service.DUE_FIRST = saved
+
+
+def order_target(text: str) -> TinyModelSpec:
+    """``--target``: a shape as ``bench server`` takes it, float32 random weights seeded as the default."""
+    try:
+        return parse_target(text, base=ORDER_TARGET)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def shape_text(spec: TinyModelSpec) -> str:
+    """``HxLxFFNxQxKV[xD]``, the form ``--target`` reads."""
+    head_dim = dict(spec.extra).get("head_dim")
+    return (f"{spec.hidden_size}x{spec.num_layers}x{spec.intermediate_size}x{spec.num_heads}x{spec.num_kv_heads}"
+            + (f"x{head_dim}" if head_dim else ""))
 
 
 def conversations(schedule: OrderSchedule) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -170,7 +191,8 @@ def jobs_by_conversation(session: ArmSession, lengths: dict[str, int]) -> dict[s
     out = {}
     for job in engine.snapshot().jobs:
         name = next((n for n, length in lengths.items() if length == job.tokens), f"job {job.job_id}")
-        out[name] = f"{job.committed}+{job.held_tokens}/{job.publish_end}" + (" stood down" if job.stood_down else "")
+        out[name] = f"{job.committed}+{job.held_tokens}/{job.publish_end}" + (
+            " stood down" if job.stood_down else f" paused ({job.paused})" if job.paused else "")
     return out
 
 
@@ -235,6 +257,7 @@ def schedule_gaps(schedule: OrderSchedule, a_dense_s: float, b_dense_s: float) -
 @dataclass(slots=True)
 class OrderReport:
     schedule: OrderSchedule
+    target: TinyModelSpec
     gaps: tuple[float, float, float]
     dense_s: tuple[float, float]
     balance_line: str
@@ -249,10 +272,10 @@ class OrderReport:
 
 def run_order_bench(
     schedule: OrderSchedule = OrderSchedule(), repeats: int = 3, baselines: bool = True,
-    models: Models | None = None, progress: Callable[[str], None] = print,
+    models: Models | None = None, progress: Callable[[str], None] = print, target: TinyModelSpec = ORDER_TARGET,
 ) -> OrderReport:
     if models is None:
-        model, tokenizer = load_tiny_model(cached_model_dir(ORDER_TARGET))
+        model, tokenizer = load_tiny_model(cached_model_dir(target))
         draft, _ = load_tiny_model(cached_model_dir(BENCH_DRAFT))
         models = Models(model, tokenizer, draft)
     balance_line = measure_or_say_why(models.model, schedule.a_tokens)[1]
@@ -273,7 +296,7 @@ def run_order_bench(
             progress(f"repeat {repeat + 1}/{repeats} {arm:<10} " + ", ".join(
                 f"{r.name}: {r.cached_tokens} cached / {r.ttft_s:.3f} s ({r.route})" for r in run.returns
             ) + f"; sum {run.returns_s:.3f} s; wall {run.wall_s:.1f} s")
-    return OrderReport(schedule, gaps, (a_s, b_s), balance_line, runs)
+    return OrderReport(schedule, target, gaps, (a_s, b_s), balance_line, runs)
 
 
 def format_report(report: OrderReport) -> str:
@@ -282,7 +305,7 @@ def format_report(report: OrderReport) -> str:
     s = report.schedule
     lines = [
         f"BLAS: {describe()}",
-        f"model: {ORDER_TARGET.label} (float32, random weights), draft {BENCH_DRAFT.label}; {report.balance_line}",
+        f"model: {report.target.label} ({shape_text(report.target)}, float32, random weights), draft {BENCH_DRAFT.label}; {report.balance_line}",
         f"schedule: A {s.a_tokens} tokens sparse, gap {report.gaps[0]:.1f} s; B {s.b_tokens} sparse, gap "
         f"{report.gaps[1]:.1f} s; A +{s.append_tokens}, gap {report.gaps[2]:.1f} s; B +{s.append_tokens}. "
         f"Sparse threshold {s.sparse_threshold} uncached tokens, block {s.block_size}, budget {s.budget_pct:g} % "
@@ -320,8 +343,8 @@ def format_report(report: OrderReport) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     maybe_reexec(args)
-    schedule = OrderSchedule(a_tokens=args.a_tokens, b_tokens=args.b_tokens, seed=args.seed)
-    report = run_order_bench(schedule, repeats=args.repeats, baselines=not args.no_baselines)
+    schedule = OrderSchedule(a_tokens=args.a_tokens, b_tokens=args.b_tokens, b_share=args.b_share, seed=args.seed)
+    report = run_order_bench(schedule, repeats=args.repeats, baselines=not args.no_baselines, target=args.target)
     print(format_report(report))
     return 0
 
@@ -332,6 +355,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--a-tokens", type=int, default=4096)
     p.add_argument("--b-tokens", type=int, default=3584)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--b-share", type=float, default=OrderSchedule().b_share,
+                   help="of B's dense time, what gap 2 adds to A's remainder (default %(default)s)")
+    p.add_argument("--target", metavar="HxLxFFNxQxKVxD", type=order_target, default=ORDER_TARGET,
+                   help="the target's shape, as bench server's --target (default: "
+                        f"{shape_text(ORDER_TARGET)})")
     p.add_argument("--no-baselines", action="store_true", help="skip the sparse-on and sparse-off arms")
     add_openblas_flag(p)
     p.set_defaults(func=_run)
