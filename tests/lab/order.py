@@ -80,10 +80,7 @@ class OrderSchedule:
     # first turn is sparse, and a later turn over a partial prefix is prefilled densely.
     sparse_threshold: int = 3072
     a_share: float = 0.75  # of A's dense time, the idle time after A's first turn
-    # Of B's dense time, what the gap after B adds to A's remainder. Slices re-read at about
-    # 0.8 of a plain prefill's rate here (A's job reached 3,840-4,096 tokens in 1.24x A's
-    # dense time), so 0.5 leaves the job in hand room to finish and B still far from whole.
-    b_share: float = 0.5
+    b_share: float = 0.3  # of B's dense time, what the gap after B adds to A's remainder
     between_share: float = 0.1  # of B's dense time, the idle time between A's and B's return
     block_size: int = 256
     # The whole of each gap goes to recovery (one window of an hour at 100 %): the gaps are
