@@ -335,13 +335,18 @@ def test_the_idle_time_before_a_turn_is_what_the_server_had_not_just_the_think_t
     session = sessions.agent(sessions.Shape(turns=3), think_s=40.0)
     rec = ArmRun("sparse_recovery")
     server = SimpleNamespace(log_text=lambda: "")
-    run_mod._serve_steps(config, config.pair, session, "sparse_recovery", server, None, lambda line: None,
+    lines: list[str] = []
+    run_mod._serve_steps(config, config.pair, session, "sparse_recovery", server, None, lines.append,
                          "test", rec, None)
+    assert [line for line in lines if "bench's own" in line] == [
+        "test   the bench's own reads took 16.0 s of the gap besides the think time"]
     assert [s.idle_after_s for s in rec.steps] == pytest.approx([56.0, 40.01, 0.0])
+    assert [s.bench_s for s in rec.steps] == pytest.approx([16.0, 0.01, None]), "the 16 s were the bench's"
     off = ArmRun("sparse_off")
     run_mod._serve_steps(config, config.pair, session, "sparse_off", server, None, lambda line: None,
                          "test", off, None)
     assert [s.idle_after_s for s in off.steps] == pytest.approx([1.0, 1.0, 0.0])  # no status read, 1 s waits
+    assert [s.bench_s for s in off.steps] == pytest.approx([0.0, 0.0, None])
 
 
 # -- the real server -------------------------------------------------------------------

@@ -49,6 +49,9 @@ class StepRecord:
     sent_s: float | None = None  # concurrent: when the request was sent, from the session's start
     done_s: float | None = None  # concurrent: when its answer ended
     loaded: bool = False  # a competing CPU load ran through this turn and the gap after it
+    # Sequential: of idle_after_s, what the bench itself took besides the think time (the
+    # plugin's status read, the server log's reads) before the next turn went out.
+    bench_s: float | None = None
 
 
 @dataclass(slots=True)

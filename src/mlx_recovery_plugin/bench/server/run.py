@@ -226,6 +226,10 @@ def _serve_in_order(
             load.stop()
 
 
+# A gap the bench lengthens by more than this is said in the progress lines.
+BENCH_SLOW_S = 2.0
+
+
 def _serve_steps(
     config: BenchConfig, pair: ModelPair, session: sessions_mod.Session, arm: str, server: ServerProcess,
     client: Any, progress: Progress, tag: str, run: ArmRun, load: CompetingLoad | None,
@@ -242,8 +246,12 @@ def _serve_steps(
         seen = sparse_lines(config.host, server.log_text())
         if answered_at is not None:
             # The idle time the server had before this turn, as it was: the think time and
-            # whatever the bench took after it (the plugin's status read once took 16 s).
-            run.steps[-1].idle_after_s = time.monotonic() - answered_at
+            # whatever the bench took besides it (once 16 s, not yet known in what).
+            previous, idle = run.steps[-1], time.monotonic() - answered_at
+            previous.bench_s = round(idle - previous.idle_after_s, 3)  # until now, the planned wait
+            previous.idle_after_s = idle
+            if previous.bench_s > BENCH_SLOW_S:
+                progress(f"{tag}   the bench's own reads took {previous.bench_s:.1f} s of the gap besides the think time")
         measure = send_turn(client, pair.target_id, list(step.messages), max_tokens=config.max_tokens,
                             absent_cached_is_zero=zero)
         answered_at = time.monotonic()
