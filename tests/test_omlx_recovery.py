@@ -121,9 +121,9 @@ class HeldRunner:
             self.hold.check("begin")
         return self.inner.begin(tokens, prefix)
 
-    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None, stop_grain: int | None = None) -> Any:
         self.hold.check("advance")
-        return self.inner.advance(live, end, should_stop)
+        return self.inner.advance(live, end, should_stop, stop_grain)
 
     def discard(self, live: Any) -> None:
         self.inner.discard(live)

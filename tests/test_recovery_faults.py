@@ -60,10 +60,10 @@ class FaultyRunner:
         self.open.add(id(live))
         return live
 
-    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Any = None, stop_grain: int | None = None) -> Any:
         if self.injector.hit("advance"):
             self.injector.fail()
-        return self.inner.advance(live, end, should_stop)
+        return self.inner.advance(live, end, should_stop, stop_grain)
 
     def discard(self, live: Any) -> None:
         self.open.discard(id(live))

@@ -57,13 +57,13 @@ class RecordingRunner:
         self.rig.open_lives.add(id(live))
         return live
 
-    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None, stop_grain: int | None = None) -> Any:
         self.rig.calls["advance"] += 1
         if self.rig.before_advance is not None:
             self.rig.before_advance(self.rig.calls["advance"])
         if self.rig.slice_cost is not None:
             self.rig.slice_cost(end - live.offset)
-        outcome = self.inner.advance(live, end, should_stop)
+        outcome = self.inner.advance(live, end, should_stop, stop_grain)
         self.rig.outcomes.append(outcome)
         return outcome
 

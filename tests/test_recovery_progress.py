@@ -14,6 +14,7 @@ from mlx_recovery_plugin.plugins import make_plugin_manager
 from mlx_recovery_plugin.recovery import service as service_module
 from mlx_recovery_plugin.recovery.costs import HOST_APPEND_PRIOR
 from mlx_recovery_plugin.recovery.plugin import RecoveryPlugin
+from mlx_recovery_plugin.recovery.slice_size import MIN_STOP_GRAIN
 from mlx_recovery_plugin.runner import SliceRunner
 from mlx_recovery_plugin.settings import RecoverySettings
 from mlx_recovery_plugin.testing.clock import FakeClock, random_tokens
@@ -30,6 +31,7 @@ class CostedRunner:
         self.inner, self.clock, self.a, self.b = inner, clock, a, b
         self.begun: list[int] = []
         self.lives: set[int] = set()
+        self.grains: list[int | None] = []  # each slice's passes, as the service asked
 
     def begin(self, tokens: Sequence[int], prefix: Any) -> Any:
         live = self.inner.begin(tokens, prefix)
@@ -37,10 +39,11 @@ class CostedRunner:
         self.lives.add(id(live))
         return live
 
-    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Callable[[], bool] | None = None, stop_grain: int | None = None) -> Any:
         n, c = end - live.offset, live.offset
         self.clock.advance(self.a * n + self.b * (n * c + n * n / 2))
-        return self.inner.advance(live, end, should_stop)
+        self.grains.append(stop_grain)
+        return self.inner.advance(live, end, should_stop, stop_grain)
 
     def discard(self, live: Any) -> None:
         self.lives.discard(id(live))
@@ -123,6 +126,21 @@ def rigs(loaded):
 
 
 # -- progress at any speed ------------------------------------------------------------
+
+
+def test_where_a_layer_of_a_pass_is_slow_the_slices_run_finer_passes_and_still_finish(rigs) -> None:
+    """An arriving request waits for the layer of the pass running: at 25 tokens a second
+    a layer of a 256-token pass of the 2-layer model takes 5 s, so once the cost is
+    measured the slices ask for the finest passes, and the status says so."""
+    rig = rigs(block=256, a=1.0 / 25.0, budget_pct=50.0)
+    prompt = random_tokens(12, 1100)
+    rig.served(prompt, threshold=16, prefill_s=None)
+    rig.idle(until=rig.clock() + 3000.0)
+    grains = [g for r in rig.runners for g in r.grains]
+    assert grains[0] is None, "the first slice's cost is not known yet"
+    assert grains[-1] == MIN_STOP_GRAIN
+    assert rig.status()["stop_grain"] == MIN_STOP_GRAIN
+    assert rig.restorable(prompt) == 1024, "finer passes, the same blocks"
 
 
 @pytest.mark.parametrize("slice_tokens", [None, 4096, 16])

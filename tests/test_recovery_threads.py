@@ -43,13 +43,13 @@ class BlockingRunner:
             self.open.add(id(live))
         return live
 
-    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Any = None, stop_grain: int | None = None) -> Any:
         if self.hold.is_set():
             self.started.set()
             deadline = time.monotonic() + WAIT_S
             while not should_stop() and time.monotonic() < deadline:
                 time.sleep(0.002)
-        outcome = self.inner.advance(live, end, should_stop)
+        outcome = self.inner.advance(live, end, should_stop, stop_grain)
         self.outcomes.append(outcome)
         return outcome
 

@@ -316,6 +316,10 @@ def test_long_slices_run_in_small_passes_so_a_stop_waits_for_one_small_layer(
     fine_live, coarse_live = fine.begin(prompt), coarse.begin(prompt)
     assert fine.advance(fine_live, 512, lambda: False).stop_checks == 4 * layers
     assert coarse.advance(coarse_live, 512, lambda: False).stop_checks == layers
+    # A slice may ask for finer passes than the runner's own (deep in a long context),
+    # never coarser ones.
+    assert coarse.advance(coarse.begin(prompt), 512, lambda: False, stop_grain=128).stop_checks == 4 * layers
+    assert fine.advance(fine.begin(prompt), 512, lambda: False, stop_grain=4096).stop_checks == 4 * layers
     # Same blocks within float32 noise, whatever the passes.
     rebuilt_fine = cache_from_blocks(handle.make_cache, fine.advance(fine.begin(prompt), 512).blocks)
     rebuilt_coarse = cache_from_blocks(handle.make_cache, coarse.advance(coarse.begin(prompt), 512).blocks)

@@ -3,7 +3,8 @@ deep in a long context, where attention costs more per token, is cut shorter."""
 
 from __future__ import annotations
 
-from mlx_recovery_plugin.recovery.slice_size import SliceSizer
+from mlx_recovery_plugin.recovery.slice_size import ARRIVAL_WAIT_S, MIN_STOP_GRAIN, SliceSizer
+from mlx_recovery_plugin.runner.runner import STOP_GRAIN
 
 B = 64
 
@@ -35,3 +36,28 @@ def test_without_a_fitted_model_the_measured_rate_sizes_the_slice() -> None:
     sizer = SliceSizer(2048, B, remaining_s=lambda: 2.0, predict=lambda tokens, context: None)
     sizer.learn(256, 1.0)  # 256 tokens per charged second
     assert sizer.tokens_now(0) == 512
+
+
+def wide_two_layers(tokens: int, context: int) -> float:
+    """A dense pass of a 3072-wide, 2-layer target as the real server's slices fitted it."""
+    return tokens * (1.40e-3 + 5.9e-7 * (context + tokens / 2))
+
+
+def test_passes_are_cut_finer_where_one_layer_would_keep_an_arriving_request_waiting() -> None:
+    sizer = SliceSizer(2048, 256, remaining_s=lambda: 10.0, predict=wide_two_layers)
+    # Near the start a layer of a 256-token pass takes 0.21 s: the runner's own passes.
+    assert STOP_GRAIN == 256 and sizer.stop_grain(512, layers=2) is None
+    # At 9k context it would take 0.88 s; passes of 64 tokens take 0.22 s a layer.
+    deep = sizer.stop_grain(9472, layers=2)
+    assert deep == 64
+    assert wide_two_layers(deep, 9472 - deep) / 2 <= ARRIVAL_WAIT_S < wide_two_layers(2 * deep, 9472 - 2 * deep) / 2
+    # The same cost spread over 32 layers keeps a layer short.
+    assert sizer.stop_grain(9472, layers=32) is None
+    # Never finer than MIN_STOP_GRAIN, however slow.
+    assert sizer.stop_grain(1_000_000, layers=1) == MIN_STOP_GRAIN
+
+
+def test_without_a_cost_the_runner_keeps_its_own_passes() -> None:
+    assert SliceSizer(2048, 256, remaining_s=lambda: 1.0, predict=lambda t, c: None).stop_grain(9472, 2) is None
+    assert SliceSizer(2048, 256, remaining_s=lambda: 1.0).stop_grain(9472, 2) is None
+    assert SliceSizer(2048, 256, remaining_s=lambda: 1.0, predict=wide_two_layers).stop_grain(9472, 0) is None

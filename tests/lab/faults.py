@@ -139,9 +139,9 @@ class FaultyRunner:
         self._maybe_fail("begin")
         return self.inner.begin(tokens, prefix)
 
-    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Any = None, stop_grain: int | None = None) -> Any:
         self._maybe_fail("advance")
-        return self.inner.advance(live, end, should_stop)
+        return self.inner.advance(live, end, should_stop, stop_grain)
 
     def discard(self, live: Any) -> None:
         self.inner.discard(live)
@@ -155,10 +155,10 @@ class CostedRunner(FaultyRunner):
         super().__init__(inner, injector)
         self.clock, self.a, self.b = clock, a, b
 
-    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Any = None, stop_grain: int | None = None) -> Any:
         c, n = int(live.offset), max(0, end - int(live.offset))
         self.clock.advance(self.a * n + self.b * (n * c + n * n / 2))
-        return super().advance(live, end, should_stop)
+        return super().advance(live, end, should_stop, stop_grain)
 
 
 class StoreLog:

@@ -118,6 +118,8 @@ class EngineRecovery:
             settings.slice_tokens_for(self.model_id, int(port.prefill_step)), self.block_size, budget.remaining_s,
             predict=lambda tokens, context: self.judge.costs.seconds(tokens, context),
         )
+        # Written on the engine thread before each slice; read whole by snapshot().
+        self._stop_grain: int | None = None
         self._ledger = ReleaseLedger(self.engine_id, self._count_fault)
         self._live = LiveDense(
             port,
@@ -304,6 +306,7 @@ class EngineRecovery:
                 unreleased_holders=self._ledger.pending,
                 host_refuses=self.host_refuses,
                 held_bound_mib=self._max_held_bytes / 2**20,
+                stop_grain=self._stop_grain,
             )
 
     # -- the slice loop (engine thread, under _work) -------------------------------
@@ -420,9 +423,10 @@ class EngineRecovery:
 
         start = self._live.start_offset
         end = self._sizer.end(start, end_target)
+        grain = self._stop_grain = self._sizer.stop_grain(end, self._live.layers)
         began = self._clock()
         try:
-            outcome = self._live.advance(end, should_stop)
+            outcome = self._live.advance(end, should_stop, grain)
         except Exception as exc:  # noqa: BLE001 - runner faults park the job
             self._runner_fault(job, exc)
             return 0, start

@@ -19,7 +19,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ..runner.runner import STOP_GRAIN
 from ..state import floor_block
+
+# An arriving request waits for the layer of the pass running then (runner/layer_stop.py).
+# One layer of a STOP_GRAIN-token pass took 1.65 s at 9k context on a 3072-wide, 2-layer
+# target, and a turn arrived 1.8 s late behind it (bench server): where a layer of the
+# slice's last pass would take longer than this, its passes are cut finer, down to
+# MIN_STOP_GRAIN tokens.
+ARRIVAL_WAIT_S = 0.25
+MIN_STOP_GRAIN = 32
 
 Predict = Callable[[int, int], "float | None"]
 """``(tokens, context) -> seconds`` of a dense pass, or None while not known."""
@@ -65,6 +74,22 @@ class SliceSizer:
             return self._by_model(context, remaining, self._overhead)
         affordable = floor_block(int(self._tokens_per_s * remaining), self._block_size)
         return min(self.slice_tokens, max(self._block_size, affordable))
+
+    def stop_grain(self, end: int, layers: int) -> int | None:
+        """Tokens per pass of a slice ending at ``end`` where the runner's own passes
+        (``STOP_GRAIN``) are too coarse: halved while one layer of its last pass would
+        take over ``ARRIVAL_WAIT_S`` (the model's cost of the forward alone). None (the
+        runner's own) where a layer is short enough, or while the cost is not known."""
+        if self._predict is None or layers <= 0:
+            return None
+        seconds = self._predict(STOP_GRAIN, max(0, end - STOP_GRAIN))
+        if seconds is None:
+            return None
+        per_layer = seconds / layers
+        grain = STOP_GRAIN
+        while grain > MIN_STOP_GRAIN and per_layer * grain / STOP_GRAIN > ARRIVAL_WAIT_S:
+            grain //= 2
+        return grain if grain < STOP_GRAIN else None
 
     def end(self, start: int, end_target: int) -> int:
         """Where a slice from ``start`` stops: its size from :meth:`tokens_now`, cut back to

@@ -118,6 +118,9 @@ class EngineStatus:
     #: What finished blocks held back may take on this engine (MLX_RECOVERY_MAX_HELD_MIB,
     #: or the default it comes to on this machine), MiB.
     held_bound_mib: float = 0.0
+    #: Tokens per pass of the last slice (an arriving request waits for one layer of one
+    #: pass); None before any slice, or where the runner kept its own.
+    stop_grain: int | None = None
 
     @property
     def debt(self) -> int:

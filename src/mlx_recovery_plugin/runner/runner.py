@@ -188,8 +188,10 @@ class SliceRunner:
         live: LiveState,
         end: int,
         should_stop: Callable[[], bool] | None = None,
+        stop_grain: int | None = None,
     ) -> SliceOutcome:
         """Densely prefill ``live.tokens[live.offset:end]`` and return the blocks it completed.
+        ``stop_grain``: this slice's passes where finer than the runner's ``stop_grain``.
 
         When interruptible and ``should_stop()`` turns True between layers, the pass it
         turned True in is abandoned: the live cache is exactly as it was after the last
@@ -210,7 +212,8 @@ class SliceRunner:
         stop_gate = layer_stop.StopGate(should_stop) if self.interruptible and should_stop else None
         # The same cuts with or without a stop signal, so a job's blocks do not depend on it;
         # none where mlx-lm's own result depends on the chunk schedule (windows with sinks).
-        grain = self.stop_grain if self.interruptible and not _schedule_sensitive(live.cache) else None
+        finest = min(stop_grain, self.stop_grain) if stop_grain else self.stop_grain
+        grain = finest if self.interruptible and not _schedule_sensitive(live.cache) else None
         pieces = _pieces(start, end, self.block_size, live.recurrent, grain)
         restore_point = layer_stop.RestorePoint.capture(live.cache)
         saved_carry = dict(live.carry)

@@ -60,7 +60,7 @@ class Runner:
         self.machine.open_lives.add(id(live))
         return live
 
-    def advance(self, live: Any, end: int, should_stop: Any = None) -> Any:
+    def advance(self, live: Any, end: int, should_stop: Any = None, stop_grain: int | None = None) -> Any:
         m = self.machine
         if m.armed.take("advance_error"):
             raise RuntimeError("injected kernel failure")
@@ -69,7 +69,7 @@ class Runner:
         if m.arrive_during_slice is not None:
             engine_id, m.arrive_during_slice = m.arrive_during_slice, None
             m.host.submit(engine_id, random_tokens(next(m.seeds), 40), max_tokens=2)
-        return self.inner.advance(live, end, should_stop)
+        return self.inner.advance(live, end, should_stop, stop_grain)
 
     def discard(self, live: Any) -> None:
         self.machine.open_lives.discard(id(live))
