@@ -23,8 +23,8 @@ from ..runner.runner import STOP_GRAIN
 from ..state import floor_block
 
 # An arriving request waits for the layer of the pass running then (runner/layer_stop.py).
-# One layer of a STOP_GRAIN-token pass took 1.65 s at 9k context on a 3072-wide, 2-layer
-# target, and a turn arrived 1.8 s late behind it (bench server): where a layer of the
+# One layer of a STOP_GRAIN-token pass takes 0.9-1.7 s at 9-10k context on a 3072-wide,
+# 2-layer target, and a turn reached the host 1.8 s late behind it (bench server): where a layer of the
 # slice's last pass would take longer than this, its passes are cut finer, down to
 # MIN_STOP_GRAIN tokens.
 ARRIVAL_WAIT_S = 0.25
