@@ -44,7 +44,7 @@ from typing import Any
 
 from mlx_recovery_plugin.bench.balance import measure_or_say_why
 from mlx_recovery_plugin.bench.openblas import add_openblas_flag, maybe_reexec
-from mlx_recovery_plugin.bench.server.models import parse_target
+from mlx_recovery_plugin.bench.server.models import parse_target, shape_text
 from mlx_recovery_plugin.demo.arms import ENGINE_ID, ArmSession, Models, ServeConfig
 from mlx_recovery_plugin.demo.session import Turn
 from mlx_recovery_plugin.recovery import service
@@ -149,13 +149,6 @@ def order_target(text: str) -> TinyModelSpec:
         return parse_target(text, base=ORDER_TARGET)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def shape_text(spec: TinyModelSpec) -> str:
-    """``HxLxFFNxQxKV[xD]``, the form ``--target`` reads."""
-    head_dim = dict(spec.extra).get("head_dim")
-    return (f"{spec.hidden_size}x{spec.num_layers}x{spec.intermediate_size}x{spec.num_heads}x{spec.num_kv_heads}"
-            + (f"x{head_dim}" if head_dim else ""))
 
 
 def conversations(schedule: OrderSchedule) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -145,11 +145,7 @@ class LiveDense:
         """Run the live job up to ``end`` in passes of ``stop_grain`` tokens (None: the
         runner's own); raises what the runner raises."""
         assert self._state is not None, "no live state"
-        runner = self.runner()
-        # Asked only where finer passes are wanted: a runner factory's runner (tests' ones)
-        # need not know the argument.
-        outcome = (runner.advance(self._state, end, should_stop) if stop_grain is None
-                   else runner.advance(self._state, end, should_stop, stop_grain))
+        outcome = self.runner().advance(self._state, end, should_stop, stop_grain)
         self.offset = int(self._state.offset)
         return outcome
 

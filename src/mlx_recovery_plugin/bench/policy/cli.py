@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..openblas import add_openblas_flag, maybe_reexec
+from ..server.models import shape_text
 from .cells import APPEND, CONTEXTS, SHAPES, THRESHOLD, full_matrix, parse_shape, quick_matrix
 
 
@@ -22,9 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="tiny models at contexts scaled to a 256-token threshold (CI)")
     p.add_argument("--shapes", nargs="+", metavar="HxLxFFNxQxKV",
-                   help="target shapes (default: " + " ".join(
-                       f"{s.hidden_size}x{s.num_layers}x{s.intermediate_size}x{s.num_heads}x{s.num_kv_heads}"
-                       for s in SHAPES) + ")")
+                   help="target shapes (default: " + " ".join(shape_text(s) for s in SHAPES) + ")")
     p.add_argument("--contexts", nargs="+", type=int, help=f"first-turn tokens (default {' '.join(map(str, CONTEXTS))})")
     p.add_argument("--append", type=int, default=APPEND,
                    help=f"tokens the next turn appends (default {APPEND}; an agent reading files appends thousands, "

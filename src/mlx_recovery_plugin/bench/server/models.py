@@ -85,6 +85,13 @@ def parse_target(text: str, base: TinyModelSpec = DEFAULT_TARGET) -> TinyModelSp
     )
 
 
+def shape_text(spec: TinyModelSpec) -> str:
+    """``HxLxFFNxQxKV[xD]``: ``spec`` in the form :func:`parse_target` reads."""
+    head_dim = dict(spec.extra).get("head_dim")
+    return (f"{spec.hidden_size}x{spec.num_layers}x{spec.intermediate_size}x{spec.num_heads}x{spec.num_kv_heads}"
+            + (f"x{head_dim}" if head_dim else ""))
+
+
 def write_models(model_dir: Path, target: TinyModelSpec, draft: TinyModelSpec) -> ModelPair:
     """Write the target and the draft (random weights, seeded) under ``model_dir``. The
     target never picks a partial character (``-wc`` in its id): the client times the

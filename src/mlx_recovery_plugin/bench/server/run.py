@@ -236,6 +236,7 @@ def _serve_steps(
 ) -> None:
     zero = config.host.omits_zero_cached
     answered_at: float | None = None
+    planned_wait = 0.0  # the think time waited after the last answer
     for index, step in enumerate(session.steps):
         loaded = load is not None and index == 0
         if load is not None:
@@ -248,7 +249,7 @@ def _serve_steps(
             # The idle time the server had before this turn, as it was: the think time and
             # whatever the bench took besides it (once 16 s, not yet known in what).
             previous, idle = run.steps[-1], time.monotonic() - answered_at
-            previous.bench_s = round(idle - previous.idle_after_s, 3)  # until now, the planned wait
+            previous.bench_s = round(idle - planned_wait, 3)
             previous.idle_after_s = idle
             if previous.bench_s > BENCH_SLOW_S:
                 progress(f"{tag}   the bench's own reads took {previous.bench_s:.1f} s of the gap besides the think time")
@@ -267,6 +268,7 @@ def _serve_steps(
                  + ("" if last else f"; idle {wait:g} s") + (" (machine loaded)" if loaded else ""))
         if not last:
             time.sleep(wait)
+        planned_wait = wait
         figures = None
         if arm == "sparse_recovery":
             figures = status_figures(_read_status(server))
