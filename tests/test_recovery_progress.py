@@ -730,6 +730,42 @@ def test_a_held_prefix_stays_unpublished_when_its_conversation_returns_with_a_lo
     assert job["held_tokens"] == 960 and job["tokens"] == len(longer), "the held blocks go on with the conversation"
 
 
+@pytest.mark.parametrize("grown", [False, True], ids=["growth-unknown", "growth-seen"])
+def test_before_any_conversation_grew_a_job_runs_on_where_the_next_prompts_length_decides(rigs, grown: bool) -> None:
+    """X, twice as long, is run whole, so the slices' evidence reaches past Y's whole
+    prefix and its next turn. At the guessed growth of 512 tokens, Y's verdict is "not yet
+    clear" (a dense append of 6.6 s at the host's prior, from 6.0, against a sparse rerun
+    of 5.3 s), on evidence that already reaches it. The host tells of each request before
+    its lookup, and a growth of one block would pay, so while nothing on the server has grown Y is run whole, not paused, and its return 50
+    tokens later restores all of it. Once a conversation has grown (552 tokens, a dense
+    turn over its cached prefix), the growth is no guess: Y pauses unrun and its return
+    restores nothing."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, threshold=5000)
+    other = rig.host.submit("e", random_tokens(15, 50), max_tokens=2)
+    rig.host.run_until_idle()
+    assert rig.host.result(other).route == "dense"
+    x = random_tokens(27, 2 * PROMPT)
+    rig.served(x, threshold=5000, prefill_s=7.0)
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.status()["jobs"][0]["held_tokens"] == 1984
+    if grown:
+        rig.prefilled(random_tokens(28, 1512), cached=960, route=Route.DENSE, seconds=1.2 * (1512 - 960) * A)
+    y = random_tokens(29, PROMPT + 1)
+    rig.served(y, threshold=5000, prefill_s=3.51)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    job_y = next(j for j in status["jobs"] if j["tokens"] == PROMPT + 1)
+    assert status["policy"]["publishes_at_arrival"] is True
+    if grown:
+        assert "not yet clear" in (job_y["paused"] or ""), repr((job_y, status["policy"]))
+        assert job_y["held_tokens"] == 0
+    else:
+        assert job_y["paused"] is None and job_y["held_tokens"] == 960, repr((job_y, status["policy"]))
+    nxt = rig.host.submit("e", [*y, *random_tokens(17, 50)], max_tokens=2, sparse=True)
+    rig.host.run_until_idle()
+    assert rig.host.result(nxt).cached_tokens == (0 if grown else 960)
+
+
 def test_the_prompt_is_not_asked_for_while_nothing_is_held(rigs) -> None:
     """A host tokenizes a text prompt at its door only for a plugin that asks."""
     from mlx_recovery_plugin.events import LookupDue
