@@ -26,9 +26,11 @@ from ..state import floor_block
 # One layer of a STOP_GRAIN-token pass takes 0.9-1.7 s at 9-10k context on a 3072-wide,
 # 2-layer target, and a turn reached the host 1.8 s late behind it (bench server): where a layer of the
 # slice's last pass would take longer than this, its passes are cut finer, down to
-# MIN_STOP_GRAIN tokens.
+# MIN_STOP_GRAIN tokens. Not to 32: at 7,680 context a 512-token slice in passes of 32
+# took 1.17-1.25x its time in passes of 256 (2048x4 and 3072x2, 3 alternating pairs
+# each), in passes of 64 a median 1.04-1.10x, in passes of 128 1.00-1.01x.
 ARRIVAL_WAIT_S = 0.25
-MIN_STOP_GRAIN = 32
+MIN_STOP_GRAIN = 64
 
 Predict = Callable[[int, int], "float | None"]
 """``(tokens, context) -> seconds`` of a dense pass, or None while not known."""
