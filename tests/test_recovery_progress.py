@@ -736,10 +736,10 @@ def test_before_any_conversation_grew_a_job_runs_on_where_the_next_prompts_lengt
     prefix and its next turn. At the guessed growth of 512 tokens, Y's verdict is "not yet
     clear" (a dense append of 6.6 s at the host's prior, from 6.0, against a sparse rerun
     of 5.3 s), on evidence that already reaches it. The host tells of each request before
-    its lookup, and a growth of one block would pay, so while nothing on the server has grown Y is run whole, not paused, and its return 50
-    tokens later restores all of it. Once a conversation has grown (552 tokens, a dense
-    turn over its cached prefix), the growth is no guess: Y pauses unrun and its return
-    restores nothing."""
+    its lookup, and a growth of one block would pay, so while nothing on the server has
+    grown Y is run whole, not paused, and its return 50 tokens later restores all of it.
+    Once a conversation has grown (552 tokens, a dense turn over its cached prefix), the
+    growth is no guess: Y pauses unrun and its return restores nothing."""
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128, threshold=5000)
     other = rig.host.submit("e", random_tokens(15, 50), max_tokens=2)
     rig.host.run_until_idle()

@@ -204,10 +204,15 @@ class PublishJudge:
         prefix (see ``SEEN_APPENDS``); before any has, ``DEFAULT_APPEND_TOKENS``."""
         if route.last_append:
             return route.last_append
-        if not self._appends:
+        if self._growth_guessed(route):
             return DEFAULT_APPEND_TOKENS
         seen = sorted(self._appends)
         return seen[max(0, math.ceil(0.75 * len(seen)) - 1)]
+
+    def _growth_guessed(self, route: RouteMemory) -> bool:
+        """Whether :meth:`next_append` for ``route`` is ``DEFAULT_APPEND_TOKENS``, a guess:
+        neither the conversation nor any other on this server has grown yet."""
+        return not route.last_append and not self._appends
 
     @property
     def evidence(self) -> int:
@@ -370,7 +375,7 @@ class PublishJudge:
         clear" at the guess is no reason to stop: on 2048x4 (lab order) jobs paused there
         one block short of whole, where the schedule's real growth of 256 paid by 1.6x."""
         route = self._routes.get(job.job_id) or RouteMemory()
-        if not self.waits_for_arrival or route.last_append or self._appends:
+        if not self.waits_for_arrival or not self._growth_guessed(route):
             return False
         whole = job.publish_end(self.block_size)
         short = self._weigh(job, route, whole, whole, self.block_size, length_known=False, may_probe=False)
