@@ -511,10 +511,30 @@ def test_slices_shrink_to_the_allowance_so_long_slices_do_not_overshoot_the_cap(
     runs = [o.tokens_run for o in rig.outcomes]
     assert runs[0] == B  # nothing measured yet: one block, whatever the configured slice
     allowance_tokens = rate * 0.10 * 1.0
-    assert all(16 <= n <= allowance_tokens for n in runs[1:])
+    assert all(B <= n <= allowance_tokens for n in runs[1:-1])
+    assert runs[-1] <= allowance_tokens + B  # the slice that finishes the job: one block more at most
     assert sum(runs) >= 1600 - B  # the whole served range still gets recovered
     share = sum(runs[1:]) / rate / (clock() - started)
-    assert share <= 0.10 + 16 / rate
+    assert share <= 0.10 + (16 + B) / rate
+
+
+def test_a_job_one_block_short_of_whole_when_the_allowance_runs_out_finishes_in_that_window(make_rig) -> None:
+    clock = FakeClock(1024.0)  # times in binary fractions: the allowance is spent exactly
+    rate = 512.0  # simulated tokens per second: a block costs 0.125 s of a 0.625 s allowance
+    rig = make_rig(
+        make_settings(budget_window_s=1.25, models={MODEL: {"enabled": True, "slice_tokens": 8 * B}}), clock=clock
+    )
+    rig.slice_cost = lambda n: clock.advance(n / rate)
+    rig.serve("e", random_tokens(92, 6 * B + 10))
+    rig.host.drive_idle()
+    # One block to learn the cost; the 4 the rest of the allowance pays for would leave
+    # the prefix one block short until the next window, so that block runs now.
+    assert [o.tokens_run for o in rig.outcomes] == [B, 5 * B]
+    assert rig.engine_status()["counters"]["tokens_recovered"] == 6 * B
+    assert rig.engine_status()["jobs"] == []
+    assert rig.plugin.budget.snapshot()["used_in_window_s"] == pytest.approx(0.75)
+    clock.advance(1.25)
+    assert rig.plugin.budget.snapshot()["carry_s"] == pytest.approx(0.125), "the next window pays the block back"
 
 
 def test_slices_wait_for_the_models_idle_steps_and_use_its_slice_size(make_rig) -> None:

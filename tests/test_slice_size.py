@@ -38,6 +38,19 @@ def test_without_a_fitted_model_the_measured_rate_sizes_the_slice() -> None:
     assert sizer.tokens_now(0) == 512
 
 
+def test_a_slice_that_would_leave_one_block_of_the_job_runs_to_the_jobs_end() -> None:
+    sizer = SliceSizer(2048, B, remaining_s=lambda: 4 * B / 1000 + 1e-9)
+    assert sizer.end(0, 2 * B) == B  # nothing measured yet: one block, even one short
+    sizer.learn(B, B / 1000)  # 1,000 tokens per second: the allowance pays for 4 blocks
+    assert sizer.end(0, 5 * B) == 5 * B  # 4 would leave one: all 5
+    assert sizer.end(B, 5 * B + 10) == 5 * B + 10  # a tail of one block or less too
+    assert sizer.end(0, 6 * B) == 4 * B  # two left: the next window's
+    assert sizer.end(0, 4 * B) == 4 * B
+    capped = SliceSizer(4 * B, B, remaining_s=lambda: 1e6)
+    capped.learn(B, B / 1000)
+    assert capped.end(0, 5 * B) == 4 * B  # never past the configured slice
+
+
 def wide_two_layers(tokens: int, context: int) -> float:
     """A dense pass of a 3072-wide, 2-layer target as the real server's slices fitted it."""
     return tokens * (1.40e-3 + 5.9e-7 * (context + tokens / 2))

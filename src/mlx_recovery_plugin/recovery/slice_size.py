@@ -3,7 +3,8 @@
 A slice that overspends the window's allowance is paid back by the next windows, so on a
 slow machine one whole configured slice could overshoot many windows at once. The sizer
 cuts the next slice to what the window's remaining allowance pays for, but never below
-one block: a slice that finishes no block publishes nothing.
+one block: a slice that finishes no block publishes nothing. Nor does it leave a job one
+block short: a slice that would stops at the job's end instead (:meth:`SliceSizer.end`).
 
 What a slice costs comes from the publish policy's dense cost model (one model for both:
 :class:`~.costs.DenseCostModel`), so a slice deep in a long context, where attention costs
@@ -95,8 +96,23 @@ class SliceSizer:
 
     def end(self, start: int, end_target: int) -> int:
         """Where a slice from ``start`` stops: its size from :meth:`tokens_now`, cut back to
-        a block boundary when it would otherwise leave a block half done."""
+        a block boundary when it would otherwise leave a block half done, or stretched to
+        ``end_target`` when it would otherwise leave one block or less of it (within the
+        configured slice, once the cost is known).
+
+        The stretch moves the job's last block forward, never adds work: the budget
+        charges it to this window and the next windows pay it back. Left for the next
+        window, it kept the prefix one block short of whole for up to a window, and a
+        turn arriving then found a partial prefix that did not pay (bench server, 2048x4,
+        100 s think: the first gap ended at 8,448 of 8,704 tokens, waiting on the
+        budget)."""
         end = min(start + self.tokens_now(start), end_target)
+        if (
+            self._tokens_per_s is not None
+            and 0 < end_target - end <= self._block_size
+            and end_target - start <= self.slice_tokens
+        ):
+            return end_target
         whole = floor_block(end, self._block_size)
         return whole if end < end_target and whole > start else end
 
