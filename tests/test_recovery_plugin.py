@@ -279,6 +279,25 @@ def test_arrival_during_a_slice_stops_it_and_the_job_resumes_from_its_committed_
     assert rig.host.engines["e"].prefix_cache.stored_tokens(prompt) == 640
 
 
+def test_status_says_how_long_a_request_arriving_during_a_slice_waited_for_it(make_rig) -> None:
+    clock = FakeClock(1000.0)
+    rig = make_rig(clock=clock)
+    rig.serve("e", random_tokens(22, 700))
+
+    def arrive_then_wait(n: int) -> None:
+        if n == 2:
+            rig.host.submit("e", random_tokens(23, 150), max_tokens=4)
+            clock.advance(0.3)  # the layer the request waits behind
+
+    rig.before_advance = arrive_then_wait
+    rig.host.drive_idle()
+    counters = rig.engine_status()["counters"]
+    assert counters["slices"] == 2 and counters["slices_interrupted"] == 1
+    assert counters["arrival_waits"] == 1, "the first slice had no request waiting"
+    assert counters["arrival_wait_seconds_max"] == pytest.approx(0.3)
+    assert counters["arrival_wait_seconds"] == pytest.approx(0.3)
+
+
 def test_admission_retires_the_live_state_before_the_request_runs(make_rig) -> None:
     rig = make_rig()
     engine = rig.host.engines["e"]

@@ -56,6 +56,7 @@ class ArrivalRegistry:
         self._live: dict[str, dict[str, bool]] = {}
         self._active = 0
         self._arrivals = 0
+        self._last_arrival_at: float | None = None
         self._departures = 0
         self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._bad: Counter[str] = Counter()
@@ -72,7 +73,7 @@ class ArrivalRegistry:
             else:
                 first = False
                 requests[request_id] = False
-                self._arrived_at[key] = self._clock()
+                self._arrived_at[key] = self._last_arrival_at = self._clock()
                 self._recent.pop(key, None)
                 self._active += 1
                 self._arrivals += 1
@@ -146,6 +147,11 @@ class ArrivalRegistry:
         request came in (duplicates of a live request do not count)."""
         with self._lock:
             return self._arrivals
+
+    def last_arrival_at(self) -> float | None:
+        """When the latest arrival came in (the registry's clock); None before any."""
+        with self._lock:
+            return self._last_arrival_at
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -93,6 +93,7 @@ class EngineRecovery:
         arrivals: Callable[[], int],
         clock: Callable[[], float],
         runner_factory: RunnerFactory = default_runner_factory,
+        last_arrival_at: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.port = port
         self.engine_id = port.engine_id
@@ -101,6 +102,7 @@ class EngineRecovery:
         self._budget = budget
         self._gate = gate
         self._arrivals = arrivals
+        self._last_arrival_at = last_arrival_at
         self._clock = clock
 
         self._lock = threading.RLock()  # book, counters, last_refusal, host_refuses, _returns
@@ -352,9 +354,14 @@ class EngineRecovery:
             self._sizer.learn(ran, spent, context)
             self._budget.charge(spent)
             self._budget.release_claim(self.engine_id)
+            waited = self._arrival_wait(arrivals, started)
             with self._lock:
                 self.counters.slice_seconds += spent
                 self.counters.slice_seconds_max = max(self.counters.slice_seconds_max, spent)
+                if waited is not None:
+                    self.counters.arrival_waits += 1
+                    self.counters.arrival_wait_seconds += waited
+                    self.counters.arrival_wait_seconds_max = max(self.counters.arrival_wait_seconds_max, waited)
         if self._cancel.generation != generation:
             self._drop_everything("cancelled")
             return None
@@ -407,6 +414,17 @@ class EngineRecovery:
             wait = self._budget.seconds_until_available()
             return wait if math.isfinite(wait) and wait > 0 else RETRY_S
         return RETRY_S
+
+    def _arrival_wait(self, arrivals_before: int, started: float) -> float | None:
+        """Seconds from the latest request's arrival to now, where one came in during the
+        idle step that began at ``started`` (it then waited for the step's end); None
+        where none did."""
+        if self._arrivals() == arrivals_before:
+            return None
+        at = self._last_arrival_at()
+        if at is None:
+            return None
+        return max(0.0, self._clock() - max(at, started))
 
     def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> tuple[int, int]:
         """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)

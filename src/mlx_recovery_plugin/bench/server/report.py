@@ -114,6 +114,11 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
             out["slices_interrupted"] = counters["slices_interrupted"]
         if counters.get("refusals"):
             out["refusals"] = counters["refusals"]
+        if counters.get("arrival_waits"):
+            # Requests that came in while a slice ran, and how long they waited for its end.
+            out["arrival_waits"] = counters["arrival_waits"]
+            out["arrival_wait_s"] = round(float(counters.get("arrival_wait_seconds") or 0.0), 4)
+            out["arrival_wait_s_max"] = round(float(counters.get("arrival_wait_seconds_max") or 0.0), 4)
         if counters.get("arrival_publications"):
             # Publications taken at a turn's arrival, and what they added to those turns.
             out["arrival_publications"] = counters["arrival_publications"]
