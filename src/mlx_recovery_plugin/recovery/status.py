@@ -204,9 +204,11 @@ def export_counters(status: ProcessStatus) -> dict[str, float]:
             "jobs_completed",
             "jobs_dropped",
             "jobs_cancelled",
+            "arrival_waits",
         ):
             out[f"{COUNTER_PREFIX}{name}_total{tag}"] = float(getattr(c, name))
         out[f"{COUNTER_PREFIX}slice_seconds_total{tag}"] = c.slice_seconds
+        out[f"{COUNTER_PREFIX}arrival_wait_seconds_total{tag}"] = c.arrival_wait_seconds
         out[f"{COUNTER_PREFIX}jobs{tag}"] = float(len(engine.jobs))
         out[f"{COUNTER_PREFIX}debt_tokens{tag}"] = float(engine.debt)
         out[f"{COUNTER_PREFIX}held_tokens{tag}"] = float(engine.held_tokens)
