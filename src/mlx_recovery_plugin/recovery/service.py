@@ -91,9 +91,9 @@ class EngineRecovery:
         budget: Budget,
         gate: RunnableGate,
         arrivals: Callable[[], int],
+        last_arrival_at: Callable[[], float | None],
         clock: Callable[[], float],
         runner_factory: RunnerFactory = default_runner_factory,
-        last_arrival_at: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.port = port
         self.engine_id = port.engine_id
