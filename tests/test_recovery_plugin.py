@@ -301,6 +301,27 @@ def test_status_says_how_long_a_request_arriving_during_a_slice_waited_for_it(ma
     assert exported["mlx_recovery_arrival_wait_seconds_total:e"] == pytest.approx(0.3)
 
 
+def test_two_requests_arriving_during_one_slice_each_count_their_own_wait(make_rig) -> None:
+    clock = FakeClock(1000.0)
+    rig = make_rig(clock=clock)
+    rig.serve("e", random_tokens(24, 700))
+
+    def two_arrive(n: int) -> None:
+        if n == 2:
+            rig.host.submit("e", random_tokens(25, 150), max_tokens=4)
+            clock.advance(0.2)
+            rig.host.submit("e", random_tokens(26, 150), max_tokens=4)
+            clock.advance(0.1)  # the rest of the layer both wait behind
+
+    rig.before_advance = two_arrive
+    rig.host.drive_idle()
+    counters = rig.engine_status()["counters"]
+    assert counters["slices_interrupted"] == 1
+    assert counters["arrival_waits"] == 2
+    assert counters["arrival_wait_seconds_max"] == pytest.approx(0.3), "the first request waited longest"
+    assert counters["arrival_wait_seconds"] == pytest.approx(0.4)
+
+
 def test_admission_retires_the_live_state_before_the_request_runs(make_rig) -> None:
     rig = make_rig()
     engine = rig.host.engines["e"]

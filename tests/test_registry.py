@@ -10,6 +10,7 @@ from mlx_recovery_plugin.recovery.registry import (
     ADMISSION_UNKNOWN,
     DEPARTURE_UNKNOWN,
     DUPLICATE_ARRIVAL,
+    RECENT_ARRIVAL_TIMES,
     SECOND_DEPARTURE,
     STALE_ARRIVAL,
     ArrivalRegistry,
@@ -185,6 +186,25 @@ def test_arrivals_on_request_threads_and_departures_on_engine_threads_balance() 
     assert not registry.foreground_active()
     assert registry.snapshot()["arrivals"] == 2000
     assert registry.snapshot()["bad_input"] == {}
+
+
+def test_arrivals_since_a_count_give_each_later_arrivals_time() -> None:
+    now = [10.0]
+    registry = ArrivalRegistry(clock=lambda: now[0])
+    assert registry.arrivals_since(0) == (0, ())
+    registry.arrived("e1", "a")
+    seen, _ = registry.arrivals_since(0)
+    now[0] = 11.0
+    registry.arrived("e1", "b")
+    registry.arrived("e1", "b")  # a duplicate is no arrival and has no time
+    now[0] = 12.5
+    registry.arrived("e2", "c")
+    assert registry.arrivals_since(seen) == (3, (11.0, 12.5))
+    assert registry.arrivals_since(3) == (3, ())
+    for i in range(RECENT_ARRIVAL_TIMES + 5):
+        registry.arrived("e1", f"many{i}")
+    count, times = registry.arrivals_since(0)
+    assert count == RECENT_ARRIVAL_TIMES + 8 and len(times) == RECENT_ARRIVAL_TIMES  # the latest ones
 
 
 def test_an_arrival_that_never_departs_stops_counting_after_the_age_bound(caplog) -> None:

@@ -38,6 +38,12 @@ def test_without_a_fitted_model_the_measured_rate_sizes_the_slice() -> None:
     assert sizer.tokens_now(0) == 512
 
 
+def test_an_allowance_that_pays_exactly_three_blocks_gets_three_despite_float_rounding() -> None:
+    sizer = SliceSizer(2048, B, remaining_s=lambda: 0.7)
+    sizer.learn(3 * B, 0.7)  # 3 blocks per 0.7 s; 0.7 s left: 191.99999999999997 tokens in floats
+    assert sizer.tokens_now(0) == 3 * B
+
+
 def test_a_slice_that_would_leave_one_block_of_the_job_runs_to_the_jobs_end() -> None:
     sizer = SliceSizer(2048, B, remaining_s=lambda: 4 * B / 1000 + 1e-9)
     assert sizer.end(0, 2 * B) == B  # nothing measured yet: one block, even one short

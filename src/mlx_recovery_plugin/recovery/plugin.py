@@ -127,7 +127,7 @@ class RecoveryPlugin:
                 budget=self.budget,
                 gate=self.gate,
                 arrivals=self.registry.arrivals,
-                last_arrival_at=self.registry.last_arrival_at,
+                arrivals_since=self.registry.arrivals_since,
                 clock=self.clock,
                 runner_factory=self._runner_factory,
             )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +39,8 @@ ARRIVAL_MAX_AGE_S = 900.0
 
 # How many departed ids are remembered to tell a second departure from an unknown one.
 _RECENT_DEPARTURES = 4096
+# Arrival times kept: the waits of the requests that came in during one idle step.
+RECENT_ARRIVAL_TIMES = 64
 
 
 class ArrivalRegistry:
@@ -56,7 +58,7 @@ class ArrivalRegistry:
         self._live: dict[str, dict[str, bool]] = {}
         self._active = 0
         self._arrivals = 0
-        self._last_arrival_at: float | None = None
+        self._arrival_times: deque[float] = deque(maxlen=RECENT_ARRIVAL_TIMES)
         self._departures = 0
         self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._bad: Counter[str] = Counter()
@@ -73,7 +75,8 @@ class ArrivalRegistry:
             else:
                 first = False
                 requests[request_id] = False
-                self._arrived_at[key] = self._last_arrival_at = self._clock()
+                self._arrived_at[key] = now = self._clock()
+                self._arrival_times.append(now)
                 self._recent.pop(key, None)
                 self._active += 1
                 self._arrivals += 1
@@ -148,10 +151,12 @@ class ArrivalRegistry:
         with self._lock:
             return self._arrivals
 
-    def last_arrival_at(self) -> float | None:
-        """When the latest arrival came in (the registry's clock); None before any."""
+    def arrivals_since(self, count: int) -> tuple[int, tuple[float, ...]]:
+        """Arrivals so far, and when each arrival after the first ``count`` came in (the
+        registry's clock; the latest :data:`RECENT_ARRIVAL_TIMES` of them), read together."""
         with self._lock:
-            return self._last_arrival_at
+            new = min(max(0, self._arrivals - count), len(self._arrival_times))
+            return self._arrivals, tuple(self._arrival_times)[len(self._arrival_times) - new:]
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

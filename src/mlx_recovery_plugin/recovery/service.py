@@ -91,7 +91,7 @@ class EngineRecovery:
         budget: Budget,
         gate: RunnableGate,
         arrivals: Callable[[], int],
-        last_arrival_at: Callable[[], float | None],
+        arrivals_since: Callable[[int], tuple[int, tuple[float, ...]]],
         clock: Callable[[], float],
         runner_factory: RunnerFactory = default_runner_factory,
     ) -> None:
@@ -102,7 +102,7 @@ class EngineRecovery:
         self._budget = budget
         self._gate = gate
         self._arrivals = arrivals
-        self._last_arrival_at = last_arrival_at
+        self._arrivals_since = arrivals_since
         self._clock = clock
 
         self._lock = threading.RLock()  # book, counters, last_refusal, host_refuses, _returns
@@ -354,14 +354,13 @@ class EngineRecovery:
             self._sizer.learn(ran, spent, context)
             self._budget.charge(spent)
             self._budget.release_claim(self.engine_id)
-            waited = self._arrival_wait(arrivals, started)
+            waits = self._arrival_waits(arrivals, started)
             with self._lock:
                 self.counters.slice_seconds += spent
                 self.counters.slice_seconds_max = max(self.counters.slice_seconds_max, spent)
-                if waited is not None:
-                    self.counters.arrival_waits += 1
-                    self.counters.arrival_wait_seconds += waited
-                    self.counters.arrival_wait_seconds_max = max(self.counters.arrival_wait_seconds_max, waited)
+                self.counters.arrival_waits += len(waits)
+                self.counters.arrival_wait_seconds += sum(waits)
+                self.counters.arrival_wait_seconds_max = max(self.counters.arrival_wait_seconds_max, *waits, 0.0)
         if self._cancel.generation != generation:
             self._drop_everything("cancelled")
             return None
@@ -415,16 +414,12 @@ class EngineRecovery:
             return wait if math.isfinite(wait) and wait > 0 else RETRY_S
         return RETRY_S
 
-    def _arrival_wait(self, arrivals_before: int, started: float) -> float | None:
-        """Seconds from the latest request's arrival to now, where one came in during the
-        idle step that began at ``started`` (it then waited for the step's end); None
-        where none did."""
-        if self._arrivals() == arrivals_before:
-            return None
-        at = self._last_arrival_at()
-        if at is None:
-            return None
-        return max(0.0, self._clock() - max(at, started))
+    def _arrival_waits(self, arrivals_before: int, started: float) -> list[float]:
+        """Of each request that came in during the idle step that began at ``started``
+        (it then waited for the step's end), the seconds from its arrival to now."""
+        _, times = self._arrivals_since(arrivals_before)
+        now = self._clock()
+        return [max(0.0, now - max(at, started)) for at in times]
 
     def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> tuple[int, int]:
         """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)

@@ -32,6 +32,10 @@ from ..state import floor_block
 # each), in passes of 64 a median 1.04-1.10x, in passes of 128 1.00-1.01x.
 ARRIVAL_WAIT_S = 0.25
 MIN_STOP_GRAIN = 64
+# A product of two measured floats that should land on a block boundary may land an ulp
+# under it (0.7 s at 192 tokens per 0.7 s: 191.99999999999997), and flooring it lost the
+# whole block.
+ROUNDING_SLACK = 1e-9
 
 Predict = Callable[[int, int], "float | None"]
 """``(tokens, context) -> seconds`` of a dense pass, or None while not known."""
@@ -75,7 +79,7 @@ class SliceSizer:
         remaining = self._remaining_s()
         if self._predict is not None and self._overhead is not None:
             return self._by_model(context, remaining, self._overhead)
-        affordable = floor_block(int(self._tokens_per_s * remaining), self._block_size)
+        affordable = floor_block(int(self._tokens_per_s * remaining * (1.0 + ROUNDING_SLACK)), self._block_size)
         return min(self.slice_tokens, max(self._block_size, affordable))
 
     def stop_grain(self, end: int, layers: int) -> int | None:

@@ -81,8 +81,8 @@ class EngineCounters:
     arrival_publish_seconds: float = 0.0
     slice_seconds: float = 0.0
     slice_seconds_max: float = 0.0
-    #: Idle steps a request arrived during (anywhere in the process), and the seconds
-    #: from its arrival to the step's end: what it waited behind recovery at most.
+    #: Requests that arrived (anywhere in the process) during an idle step, and the
+    #: seconds from each one's arrival to the step's end: what it waited behind recovery.
     arrival_waits: int = 0
     arrival_wait_seconds: float = 0.0
     arrival_wait_seconds_max: float = 0.0
