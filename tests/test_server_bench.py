@@ -288,6 +288,18 @@ def test_the_best_reachable_counts_a_later_turn_as_recovered_only_once_the_idle_
     assert "best reachable +0.10 s" in "\n".join(format_session(result))
 
 
+def test_a_turn_restored_as_far_as_sparse_offs_is_compared_with_sparse_offs_append() -> None:
+    rows = {"sparse_off": [(9000, 0, 10.0), (9600, 8704, 1.0), (10200, 9472, 1.1)],
+            "sparse_on": [(9000, 0, 2.0), (9600, 0, 3.0), (10200, 0, 3.2)],
+            "sparse_recovery": [(9000, 0, 2.0), (9600, 8448, 2.5), (10200, 9472, 1.32)]}
+    result = _session(rows)
+    # Turn 2 restored less than sparse off (another append), turn 3 as far: 1.32 / 1.1.
+    assert result.restored_vs_off() == [pytest.approx(1.2)]
+    assert "the 1 later turns restored as far as sparse off's took 1.20-1.20x" in "\n".join(format_session(result))
+    rows["sparse_recovery"][2] = (10200, 0, 3.0)
+    assert _session(rows).restored_vs_off() == []
+
+
 def test_with_a_loaded_first_turn_only_the_loaded_gap_counts_at_the_loaded_rate() -> None:
     """The same session with its first turn and gap loaded: sparse off's loaded first
     turn (900 tokens/s) rates the first gap only, and the quiet gaps go at the quiet rate

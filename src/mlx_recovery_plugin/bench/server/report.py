@@ -21,7 +21,7 @@ from typing import Any
 from ...demo.report import ARM_TITLES, ARMS
 from .reachable import best_reachable_steps
 from .repeats import RepeatPair, repeat_lines, repeats_summary
-from .turn_ratios import count_later_turns, later_turn_ratios, same_queue_ratios
+from .turn_ratios import count_later_turns, later_turn_ratios, restored_vs_off_ratios, same_queue_ratios
 from .work_shares import committed_share, held_share
 
 ORACLE = "oracle"
@@ -209,6 +209,12 @@ class SessionResult:
         ratios = [r for _, r in same_queue_ratios(self.arms["sparse_on"].steps, self.arms["sparse_recovery"].steps)]
         return max(ratios) if ratios else None
 
+    def restored_vs_off(self) -> list[float]:
+        """The later turns recovery restored as far as sparse off, each over sparse off's
+        time: the host's append over published blocks against over its own (see
+        :mod:`.turn_ratios`)."""
+        return restored_vs_off_ratios(self.arms["sparse_off"].steps, self.arms["sparse_recovery"].steps)
+
     def arrivals_replayed(self) -> bool:
         """Whether the recovery arm took sparse on's arrivals (``--arrivals sparse-on``)."""
         return self.arms["sparse_recovery"].arrivals_from == "sparse_on"
@@ -281,6 +287,7 @@ class BenchReport:
                                   "worst_alike_later_turn_vs_on": (s.worst_later_turn(alike_only=True)
                                                                    if s.arrivals_replayed() else None),
                                   "worst_same_queue_vs_on": s.worst_same_queue(),
+                                  "restored_vs_off": s.restored_vs_off(),
                                   "committed_share": s.committed_share(),
                                   "held_share": s.held_share(),
                                   "settle_s": s.arms["sparse_recovery"].settle_s,
@@ -385,6 +392,10 @@ def format_session(result: SessionResult) -> list[str]:
             parts.append(f"of the {len(same)} queues the same turns formed in both arms "
                          f"({sum(n for n, _ in same)} turns), summed, "
                          + (f"the worst {max(r for _, r in same):.2f}x" if same else "none"))
+        restored = result.restored_vs_off()
+        if restored:
+            parts.append(f"the {len(restored)} later turns restored as far as sparse off's took "
+                         f"{min(restored):.2f}-{max(restored):.2f}x sparse off's time")
         if kept is not None:
             parts.append(f"committed / run {kept:.2f}")
         held = result.held_share()
