@@ -145,6 +145,36 @@ def test_evidence_from_short_contexts_alone_never_stands_a_job_down() -> None:
     assert 0 < estimate.low < estimate.mid
 
 
+def test_attention_timed_deep_raises_the_bound_beyond_the_evidence_and_settles_a_stand_down() -> None:
+    """The same shallow evidence as above: the bound beyond it holds the job "not yet
+    clear". Attention timed at the next turn's depth (the model's own per-token cost
+    there) raises the bound with the context, and the stand-down is taken."""
+    model = fitted(**ATTENTION_BOUND)  # contexts up to 1.5k
+    args = dict(boundary=9216, full_boundary=9216, next_tokens=9800, threshold=8192, keep=0.2,
+                measured=SparseSample(9200, 4.0))
+    before = model.estimate(584, 9216)
+    assert before is not None
+    assert model.wants_attention(584, 9216)
+    model.observe_attention(4096, ATTENTION_BOUND["b"] * 4096)  # too shallow to speak for 9.5k
+    assert model.wants_attention(584, 9216) and model.estimate(584, 9216) == before
+    evidence = model.evidence
+    model.observe_attention(9800, ATTENTION_BOUND["b"] * 9800)
+    assert model.evidence > evidence and not model.wants_attention(584, 9216)
+    after = model.estimate(584, 9216)
+    assert after is not None and not after.supported and after.high == float("inf")
+    assert after.low > 2 * before.low
+    assert after.low <= model.seconds(584, 9216) and after.mid >= after.low
+    decision = decide(model, **args)  # type: ignore[arg-type]
+    assert decision.verdict is Verdict.STAND_DOWN and "costs more than a sparse rerun" in decision.reason
+
+
+def test_attention_timed_on_a_matmul_bound_model_leaves_its_publication_alone() -> None:
+    model = fitted(**MATMUL_BOUND)
+    before = verdict(model, 9216)
+    model.observe_attention(9800, MATMUL_BOUND["b"] * 9800)
+    assert verdict(model, 9216) is before is Verdict.PUBLISH
+
+
 def test_a_burst_of_load_cannot_outvote_a_quiet_sample_of_the_same_context() -> None:
     quiet = fitted(**MATMUL_BOUND)
     model = DenseCostModel()

@@ -51,7 +51,8 @@ class CostedRunner:
 
 
 class Rig:
-    def __init__(self, loaded: Any, *, block: int, a: float, b: float = 0.0, threshold: int = 16, **settings: Any) -> None:
+    def __init__(self, loaded: Any, *, block: int, a: float, b: float = 0.0, threshold: int = 16,
+                 attention: Callable[[int], float | None] | None = None, **settings: Any) -> None:
         self.clock = FakeClock(1000.0)
         values: dict[str, Any] = {"budget_pct": 10.0, "budget_window_s": 10.0, "idle_steps": 1,
                                   "models": {MODEL: {"enabled": True}}}
@@ -64,7 +65,9 @@ class Rig:
             self.runners.append(runner)
             return runner
 
-        self.plugin = RecoveryPlugin(self.settings, clock=self.clock, runner_factory=factory, control_socket=False)
+        probe = None if attention is None else (lambda handle: attention)
+        self.plugin = RecoveryPlugin(self.settings, clock=self.clock, runner_factory=factory, control_socket=False,
+                                     attention_probe=probe)
         self.host = MockHost(make_plugin_manager([self.plugin], settings=self.settings, entry_points_too=False))
         model, tokenizer, draft = loaded
         self.engine = self.host.add_engine(
@@ -418,6 +421,63 @@ def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     slices = status["counters"]["slices"]
     assert slices == 3, "it stood down as soon as the cost model was fitted"
     assert rig.runners[0].lives == set()
+
+
+def test_attention_timed_at_the_next_turns_depth_stands_a_job_down_before_its_slices_get_there(rigs) -> None:
+    """An attention-bound machine (the dense append over the whole prefix ~16 s at the
+    host's prior against a sparse rerun of ~7 s): the first slices measure only shallow contexts, where the
+    deepest one's rate bounds the append at ~3 s, not clear either way. Timing attention
+    at the next turn's depth (here the machine's own attention cost) bounds it above the
+    rerun at once: the job stands down as soon as the cost model is fitted (320 tokens
+    run), where without the timing its slices went on until they had measured 832 of the
+    960 tokens."""
+    a, b = 1e-4, 2e-5
+    asked: list[int] = []
+
+    def attention(context: int) -> float:
+        asked.append(context)
+        return b * context  # seconds per token of all layers' attention at that depth
+
+    def run(probe: Callable[[int], float | None]) -> Rig:
+        rig = rigs(block=64, a=a, b=b, budget_pct=100.0, slice_tokens=128, attention=probe)
+        prompt = random_tokens(25, PROMPT)
+        rig.served(prompt, threshold=5000, prefill_s=3.0)
+        for _ in range(40):
+            if rig.status()["jobs"][0]["stood_down"] or rig.restorable(prompt) >= 960:
+                break
+            rig.engine.offer_idle_step()
+        return rig
+
+    timed = run(attention)
+    (job,) = timed.status()["jobs"]
+    assert "costs more than a sparse rerun" in (job["stood_down"] or ""), (job, dict(timed.status()["policy"]), timed.status()["counters"])
+    assert timed.status()["counters"]["slices"] == 3, "it stood down as soon as the cost model was fitted"
+    assert timed.status()["counters"]["tokens_run"] == 320
+    assert timed.status()["counters"]["attention_probes"] == 1 and asked == [PROMPT + 512]
+    assert timed.status()["policy"]["attention_s_per_token_per_context"] == pytest.approx(b)
+    untimed = run(lambda context: None)  # a model that cannot be timed
+    assert untimed.status()["counters"]["attention_probes"] == 0
+    counters = untimed.status()["counters"]
+    assert untimed.status()["jobs"][0]["stood_down"], "the same verdict in the end"
+    assert counters["slices"] >= 7 and counters["tokens_run"] >= 832, "without it, the slices measured their way there"
+    assert untimed.status()["policy"]["attention_s_per_token_per_context"] is None
+
+
+def test_an_attention_probe_that_fails_is_dropped_and_the_slices_go_on(rigs) -> None:
+    calls: list[int] = []
+
+    def broken(context: int) -> float:
+        calls.append(context)
+        raise RuntimeError("no memory for the keys")
+
+    rig = rigs(block=64, a=1e-4, b=2e-5, budget_pct=100.0, slice_tokens=128, attention=broken)
+    prompt = random_tokens(26, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=6.0)
+    for _ in range(8):
+        rig.engine.offer_idle_step()
+    assert len(calls) == 1, "asked once, then never again"
+    status = rig.status()
+    assert status["counters"]["slices"] >= 5 and status["counters"]["attention_probes"] == 0
 
 
 def test_policy_always_publishes_every_finished_block(rigs) -> None:

@@ -13,7 +13,8 @@ finished blocks back, or stand down:
   per token per attended position), from the recovery slices themselves and from the
   host's own dense appends (the same model, on the same machine), each context band
   speaking through its quietest sample; :meth:`DenseCostModel.estimate` bounds an answer
-  by where the evidence lies, and has no upper bound beyond it.
+  by where the evidence lies, and has no upper bound beyond it; its lower bound there
+  grows by what attention was timed to cost at that depth (:mod:`..runner.attention_probe`).
 * :func:`sparse_rerun_seconds`: the host's measured sparse prefill time, scaled to the
   next turn's length; without a measurement, the target's share of it (the kept tokens'
   dense prefill), which leaves out the draft and so errs towards the sparse route.
@@ -193,6 +194,8 @@ class DenseCostModel:
         self._samples: deque[tuple[int, int, float, Source]] = deque(maxlen=max_samples)
         self._bands: dict[int, _Band] = {}
         self._coefficients: tuple[float, float] | None = None
+        # Attention probes: band key -> (context, fastest seconds per token per position).
+        self._attention: dict[int, tuple[int, float]] = {}
         #: Grows whenever the evidence changes what the model says (a new band, a faster
         #: sample in one): a verdict taken on older evidence may be revisited.
         self.evidence = 0
@@ -214,6 +217,32 @@ class DenseCostModel:
             if band.quiet != before:
                 self.evidence += 1
         self._coefficients = None
+
+    def observe_attention(self, context: int, seconds_per_token: float) -> None:
+        """The attention of all the model's layers was timed at ``seconds_per_token`` per
+        token of a pass over ``context`` positions (:mod:`..runner.attention_probe`)."""
+        if context <= 0 or not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
+            return
+        key = round(4 * math.log2(1.0 + context / 128.0))
+        slope = seconds_per_token / context
+        old = self._attention.get(key)
+        if old is None or slope < old[1]:
+            self._attention[key] = (int(context), slope)
+            self.evidence += 1
+
+    def attention_slope(self, at: float) -> float | None:
+        """Seconds per token per attended position that attention was timed at, at or
+        near ``at`` (the fastest probe at least ``at / SUPPORT_REACH`` deep); None where
+        none was."""
+        slopes = [slope for context, slope in self._attention.values() if context * SUPPORT_REACH >= at]
+        return min(slopes) if slopes else None
+
+    def wants_attention(self, tokens: int, context: int) -> bool:
+        """Whether a pass of ``tokens`` over ``context`` lies beyond the slices' evidence
+        with no attention probe near it: where a probe would bound its cost from below."""
+        at = context + tokens / 2.0
+        return (tokens > 0 and self.fitted and at > SUPPORT_REACH * self.support
+                and self.attention_slope(at) is None)
 
     @property
     def samples(self) -> int:
@@ -287,9 +316,13 @@ class DenseCostModel:
         top = self.support
         if context + tokens / 2.0 <= SUPPORT_REACH * top:
             return Estimate(max(0.0, mid * (1.0 - spread)), mid, mid * (1.0 + spread), True)
-        # Beyond the evidence: a token costs at least what one at the furthest band did.
-        low = tokens * (a + b * top) * max(0.0, 1.0 - spread)
-        return Estimate(low, mid, math.inf, False)
+        # Beyond the evidence: a token costs at least what one at the furthest band did,
+        # plus what attention was timed to add from there (on an attention-bound model
+        # the furthest band's rate alone was half the host's real cost).
+        at = context + tokens / 2.0
+        slope = self.attention_slope(at) or 0.0
+        low = tokens * (a + b * top + slope * max(0.0, at - top)) * max(0.0, 1.0 - spread)
+        return Estimate(low, max(mid, low), math.inf, False)
 
 
 class HostAppendFactor:

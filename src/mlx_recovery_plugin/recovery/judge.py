@@ -233,6 +233,25 @@ class PublishJudge:
         self._models[self._look()].observe(context, tokens, seconds)
         self._status = self._build_status()
 
+    def attention_wanted(self, job: RecoveryJob) -> int | None:
+        """The context to time the model's attention at before ``job`` is worked on: its
+        next prompt's expected length, where the pass over its whole prefix lies beyond
+        the slices' evidence and nothing was timed near it (None: no probe wanted)."""
+        if self.policy is not PublishPolicy.AUTO:
+            return None
+        route = self._routes.get(job.job_id) or RouteMemory()
+        full = job.publish_end(self.block_size)
+        next_tokens = len(job.tokens) + self.next_append(route)
+        if not self.costs.wants_attention(next_tokens - full, full):
+            return None
+        return next_tokens
+
+    def observe_attention(self, context: int, seconds_per_token: float) -> None:
+        """The model's attention was timed at ``context`` (:mod:`..runner.attention_probe`),
+        on the machine as loaded as now."""
+        self._models[self._look()].observe_attention(context, seconds_per_token)
+        self._status = self._build_status()
+
     def observe_turn(self, job: RecoveryJob | None, event: RequestPrefilled) -> None:
         """The host prefilled a turn: its own dense append is the best evidence of what one
         costs here, and, after a publication, the check of what the policy expected."""
@@ -513,6 +532,9 @@ class PublishJudge:
                 "last_turn_after_publication": dict(self._last_turn) if self._last_turn else None,
                 "dense_s_per_token": coefficients[0] if coefficients else None,
                 "dense_s_per_token_per_context": coefficients[1] if coefficients else None,
+                # Attention's own cost per token per position, timed at the deepest
+                # context a verdict needed (None: not timed in this regime).
+                "attention_s_per_token_per_context": self.costs.attention_slope(0.0),
                 "verdict": decision.verdict.value if decision else None,
                 "reason": decision.reason if decision else None,
                 "dense_append_s": decision.dense_s if decision else None,

@@ -40,6 +40,26 @@ def default_runner_factory(model: ModelHandle, block_size: int, interruptible: b
     return SliceRunner(model, block_size, interruptible=interruptible)
 
 
+AttentionProbe = Callable[[int], "float | None"]
+"""``context -> seconds per token`` of the model's attention at that depth (None: this
+model cannot be timed so); see :mod:`..runner.attention_probe`."""
+
+
+def default_attention_probe(model: ModelHandle) -> AttentionProbe:
+    """Times ``model``'s own attention (MLX is imported at the first call, not when the
+    start-up hook loads us)."""
+    probe: list[AttentionProbe] = []
+
+    def timed(context: int) -> float | None:
+        if not probe:
+            from ..runner.attention_probe import probe_for
+
+            probe.append(probe_for(model))
+        return probe[0](context)
+
+    return timed
+
+
 class Start(Enum):
     """What :meth:`LiveDense.start` did."""
 

@@ -31,11 +31,11 @@ from ..events import (
     SparseRouteServed,
 )
 from ..hookspecs import hookimpl
-from ..ports import EnginePort
+from ..ports import EnginePort, ModelHandle
 from ..settings import RecoverySettings, env_name, load_settings
 from .budget import Budget
 from .control import CONTROL_SOCKET_OFF, ControlError, ControlServer, resolve_socket_path
-from .live import RunnerFactory, default_runner_factory
+from .live import AttentionProbe, RunnerFactory, default_runner_factory
 from .registry import ArrivalRegistry
 from .runnable import RunnableGate, memory_probe
 from .service import EngineRecovery
@@ -64,7 +64,8 @@ class RecoveryPlugin:
 
     ``RecoveryPlugin()`` reads its settings from the environment. Tests and hosts may
     inject ``settings``, a ``clock`` (budget windows, back-off), a ``runner_factory``
-    (``(model, block_size, interruptible) -> runner``), a ``memory_ok`` probe, and
+    (``(model, block_size, interruptible) -> runner``), an ``attention_probe`` factory
+    (``model -> (context -> seconds per token)``), a ``memory_ok`` probe, and
     ``control_socket``: False for none, a path, or None for the settings' choice.
     """
 
@@ -77,12 +78,14 @@ class RecoveryPlugin:
         memory_ok: Callable[[], bool] | None = None,
         control_socket: str | bool | None = None,
         registry: ArrivalRegistry | None = None,
+        attention_probe: Callable[[ModelHandle], AttentionProbe] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else load_settings()
         self.clock = clock
         self.registry = registry if registry is not None else ArrivalRegistry(clock=clock)
         self.budget = Budget(self.settings.budget_pct, self.settings.budget_window_s, clock=clock)
         self._runner_factory = runner_factory or default_runner_factory
+        self._attention_probe = attention_probe
         self._lock = threading.Lock()
         self._engines: dict[str, EngineRecovery] = {}
         # Closed services whose host refused some releases: kept, shown in the status and
@@ -130,6 +133,7 @@ class RecoveryPlugin:
                 arrivals_since=self.registry.arrivals_since,
                 clock=self.clock,
                 runner_factory=self._runner_factory,
+                attention_probe=None if self._attention_probe is None else self._attention_probe(engine.model),
             )
         except Exception as exc:  # noqa: BLE001 - a port we cannot read gets no recovery
             log.error("mlx-recovery: engine not attached: %r", exc)

@@ -44,7 +44,7 @@ from .host_refusal import HostRefusalWatch
 from .jobs import JobBook, RecoveryJob, Relation, common_prefix_len
 from .judge import PublishJudge
 from .ledger import ReleaseLedger
-from .live import LiveDense, RunnerFactory, Start, default_runner_factory
+from .live import AttentionProbe, LiveDense, RunnerFactory, Start, default_attention_probe, default_runner_factory
 from .outcomes import KEEP_LIVE_THROUGH, FaultKind, Refusal, runner_fault_kind
 from .publication import PublicationError, publish
 from .returns import ReturnTimes, due_first
@@ -94,6 +94,7 @@ class EngineRecovery:
         arrivals_since: Callable[[int], tuple[int, tuple[float, ...]]],
         clock: Callable[[], float],
         runner_factory: RunnerFactory = default_runner_factory,
+        attention_probe: AttentionProbe | None = None,
     ) -> None:
         self.port = port
         self.engine_id = port.engine_id
@@ -104,6 +105,9 @@ class EngineRecovery:
         self._arrivals = arrivals
         self._arrivals_since = arrivals_since
         self._clock = clock
+        # Engine thread only: ``context -> seconds per token`` of the model's attention;
+        # dropped for good once it says it cannot time this model, or fails.
+        self._attention_probe: AttentionProbe | None = attention_probe or default_attention_probe(port.model)
 
         self._lock = threading.RLock()  # book, counters, last_refusal, host_refuses, _returns
         self._work = threading.RLock()  # held by the engine thread for a whole idle step
@@ -426,6 +430,7 @@ class EngineRecovery:
         and the context it started at."""
         if not self._have_runner():
             return 0, 0
+        self._time_attention(job)
         if self._stands_down_or_pauses(job):
             return 0, 0
         end_target = job.publish_end(self.block_size)
@@ -655,6 +660,25 @@ class EngineRecovery:
                 return False
         self._retire_live()
         return True
+
+    def _time_attention(self, job: RecoveryJob) -> None:
+        """Where the verdict on ``job``'s whole prefix lies beyond what the slices measured,
+        time the model's attention that deep first (tens of milliseconds, charged to the
+        idle step like a slice): the verdict's lower bound then grows with the context."""
+        context = self.judge.attention_wanted(job) if self._attention_probe is not None else None
+        if context is None or self._attention_probe is None:
+            return
+        try:
+            seconds = self._attention_probe(context)
+        except Exception as exc:  # noqa: BLE001 - the probe is an aid; the slices go on without it
+            log.warning("mlx-recovery: engine %s: attention probe failed, not used again: %s", self.engine_id, exc)
+            seconds = None
+        if seconds is None:
+            self._attention_probe = None
+            return
+        with self._lock:
+            self.counters.attention_probes += 1
+        self.judge.observe_attention(context, seconds)
 
     def _stand_down_locked(self, job: RecoveryJob, reason: str) -> None:
         if job.stand_down(reason, self.judge.evidence):
