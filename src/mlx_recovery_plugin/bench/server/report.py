@@ -114,6 +114,9 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
             out["slices_interrupted"] = counters["slices_interrupted"]
         if counters.get("refusals"):
             out["refusals"] = counters["refusals"]
+        if counters.get("attention_probes"):
+            # Times the model's attention was timed deeper than the slices had reached.
+            out["attention_probes"] = counters["attention_probes"]
         if counters.get("arrival_waits"):
             # Requests that came in while a slice ran, and how long they waited for its end.
             out["arrival_waits"] = counters["arrival_waits"]
