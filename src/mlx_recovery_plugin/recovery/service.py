@@ -663,8 +663,8 @@ class EngineRecovery:
 
     def _time_attention(self, job: RecoveryJob) -> None:
         """Where the verdict on ``job``'s whole prefix lies beyond what the slices measured,
-        time the model's attention that deep first (tens of milliseconds, charged to the
-        idle step like a slice): the verdict's lower bound then grows with the context."""
+        time the model's attention that deep first (0.03-0.6 s at 2-12k context, charged to
+        the idle step like a slice): the verdict's lower bound then grows with the context."""
         context = self.judge.attention_wanted(job) if self._attention_probe is not None else None
         if context is None or self._attention_probe is None:
             return

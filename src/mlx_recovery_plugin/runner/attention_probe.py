@@ -12,7 +12,7 @@ estimated 22.96 s at turn 2, the host took 22.98 s, the bound said 11.01 s, and 
 This times the one part of a pass that grows with the context, the attention itself, at
 the context in question: a few queries against keys and values of that length, in the
 model's head counts, head size and dtype, through the same kernel the model's layers use
-(``mx.fast.scaled_dot_product_attention``). No cache is needed; the keys are random.
+(``mx.fast.scaled_dot_product_attention``). No cache is needed: the keys are constants.
 Models whose layers are not all full attention (sliding windows, linear or recurrent
 mixers) are not timed: there the growth is not one kernel's.
 
@@ -28,11 +28,14 @@ from typing import Any
 
 import mlx.core as mx
 
-# Queries per timing: enough for the kernel's per-query cost to dominate its launch, few
-# enough that one probe at 16k context on a 4096-wide model takes tens of milliseconds.
+# Queries per timing: enough for the kernel's per-query cost to dominate its launch (the
+# slope per position read within 15 % from 16 to 256 queries), few enough to keep the
+# probe short.
 PROBE_QUERIES = 32
-# Timings per probe; the fastest speaks (load only slows a timing down).
-PROBE_REPEATS = 3
+# Timings per probe, after one that warms the kernel; the fastest speaks (load only
+# slows a timing down). The probe is not interruptible: an arriving request waits for it
+# (0.1-0.6 s at 8-12k context on the 3072x2 target here, 0.05-0.2 s on SmolLM2).
+PROBE_REPEATS = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,11 +93,10 @@ def attention_seconds_per_token(
     ``context`` cached positions (the fastest of ``repeats`` timings)."""
     if context <= 0:
         return 0.0
-    key = mx.random.key(0)
-    kq, kk, kv = mx.random.split(key, 3)
-    q = mx.random.normal((1, shape.heads, queries, shape.head_dim), key=kq).astype(shape.dtype)
-    k = mx.random.normal((1, shape.kv_heads, context, shape.head_dim), key=kk).astype(shape.dtype)
-    v = mx.random.normal((1, shape.kv_heads, context, shape.head_dim), key=kv).astype(shape.dtype)
+    # The kernel's time does not depend on the values: constants cost no random draws.
+    q = mx.full((1, shape.heads, queries, shape.head_dim), 0.5, dtype=shape.dtype)
+    k = mx.full((1, shape.kv_heads, context, shape.head_dim), 0.25, dtype=shape.dtype)
+    v = mx.full((1, shape.kv_heads, context, shape.head_dim), 0.125, dtype=shape.dtype)
     mx.eval(q, k, v)
     scale = shape.head_dim**-0.5
     mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))  # warm the kernel
