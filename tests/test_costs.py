@@ -419,6 +419,30 @@ def test_a_full_prefix_is_published_only_if_it_beats_the_cheapest_recent_sparse_
         is Verdict.PUBLISH
 
 
+def test_after_the_load_changes_an_arrivals_wait_is_bounded_by_the_other_regimes_cost() -> None:
+    """The grain of a slice's passes bounds how long an arriving request waits: after a
+    build ends, the quiet model is not fitted for a few slices, and the loaded one (the
+    slower) answers for the layers' time instead of nothing."""
+    counters = Counters()
+    judge = _judge_with(counters)
+    for context in (0, 1024, 2048):
+        counters.advance(5.0, others=1.0)
+        judge.observe(context, 1024, 2 * 1024 * (2e-3 + 1e-7 * (context + 512)))
+    assert judge.regime.value == "busy"
+    loaded = judge.costs.seconds(256, 9000)
+    assert loaded is not None and judge.layer_seconds_bound(256, 9000) == pytest.approx(loaded)
+    counters.advance(5.0, others=0.0)  # the build ends
+    judge.observe(3072, 1024, 1024 * (2e-3 + 1e-7 * 3584))
+    assert judge.regime.value == "quiet" and judge.costs.seconds(256, 9000) is None
+    assert judge.layer_seconds_bound(256, 9000) == pytest.approx(loaded)
+    for context in (4096, 5120):
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (2e-3 + 1e-7 * (context + 512)))
+    quiet = judge.costs.seconds(256, 9000)
+    assert quiet is not None and quiet < loaded
+    assert judge.layer_seconds_bound(256, 9000) == pytest.approx(quiet), "the regime's own, once it has one"
+
+
 def test_the_judge_remembers_a_few_recent_sparse_turns_and_weighs_the_cheapest() -> None:
     from mlx_recovery_plugin.recovery.jobs import RecoveryJob
     from mlx_recovery_plugin.recovery.judge import RECENT_SPARSE

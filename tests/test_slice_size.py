@@ -76,6 +76,15 @@ def test_passes_are_cut_finer_where_one_layer_would_keep_an_arriving_request_wai
     assert sizer.stop_grain(1_000_000, layers=1) == MIN_STOP_GRAIN
 
 
+def test_the_grain_goes_by_the_layer_cost_where_the_slices_own_cost_is_not_known() -> None:
+    no_cost = lambda tokens, context: None  # noqa: E731 - the current regime's model, unfitted
+    sizer = SliceSizer(2048, 256, remaining_s=lambda: 10.0, predict=no_cost, layer_predict=wide_two_layers)
+    assert sizer.stop_grain(9472, 2) == SliceSizer(2048, 256, remaining_s=lambda: 10.0,
+                                                   predict=wide_two_layers).stop_grain(9472, 2)
+    assert sizer.stop_grain(9472, 2) is not None
+    assert sizer.tokens_now(0) == 256, "the slice's size still waits for its own cost"
+
+
 def test_without_a_cost_the_runner_keeps_its_own_passes() -> None:
     assert SliceSizer(2048, 256, remaining_s=lambda: 1.0, predict=lambda t, c: None).stop_grain(9472, 2) is None
     assert SliceSizer(2048, 256, remaining_s=lambda: 1.0).stop_grain(9472, 2) is None

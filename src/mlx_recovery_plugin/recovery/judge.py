@@ -233,6 +233,19 @@ class PublishJudge:
         self._models[self._look()].observe(context, tokens, seconds)
         self._status = self._build_status()
 
+    def layer_seconds_bound(self, tokens: int, context: int) -> float | None:
+        """Seconds of a dense pass, for how long an arriving request could wait on one of
+        its layers: the current load regime's model, else the slower answer of another
+        regime's (after the machine's load changes, the new regime's model is unfitted
+        for some slices, and a pass sized on no cost at all ran whole layers of 256
+        tokens: a request waited 0.95 s for one on the real server, 3072x2 at 9k)."""
+        here = self.costs.seconds(tokens, context)
+        if here is not None:
+            return here
+        others = [m.seconds(tokens, context) for m in self._models.values() if m is not self.costs]
+        known = [x for x in others if x is not None]
+        return max(known) if known else None
+
     def attention_wanted(self, job: RecoveryJob) -> int | None:
         """The context to time the model's attention at before ``job`` is worked on: its
         next prompt's expected length, where the pass over its whole prefix lies beyond

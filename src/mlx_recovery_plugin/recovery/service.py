@@ -123,6 +123,7 @@ class EngineRecovery:
         self._sizer = SliceSizer(
             settings.slice_tokens_for(self.model_id, int(port.prefill_step)), self.block_size, budget.remaining_s,
             predict=lambda tokens, context: self.judge.costs.seconds(tokens, context),
+            layer_predict=lambda tokens, context: self.judge.layer_seconds_bound(tokens, context),
         )
         # Written on the engine thread before each slice; read whole by snapshot().
         self._stop_grain: int | None = None

@@ -45,12 +45,16 @@ class SliceSizer:
     """The next slice's end, from the cost model, the measured overhead and the budget."""
 
     def __init__(
-        self, slice_tokens: int, block_size: int, remaining_s: Callable[[], float], predict: Predict | None = None
+        self, slice_tokens: int, block_size: int, remaining_s: Callable[[], float], predict: Predict | None = None,
+        layer_predict: Predict | None = None,
     ) -> None:
         self.slice_tokens = slice_tokens
         self._block_size = block_size
         self._remaining_s = remaining_s
         self._predict = predict
+        # For the passes' grain only: may answer where ``predict`` does not yet (another
+        # load regime's cost), as an arrival's wait is bounded by any cost known.
+        self._layer_predict = layer_predict or predict
         self._tokens_per_s: float | None = None
         self._overhead: float | None = None  # charged seconds per predicted second
 
@@ -87,9 +91,9 @@ class SliceSizer:
         (``STOP_GRAIN``) are too coarse: halved while one layer of its last pass would
         take over ``ARRIVAL_WAIT_S`` (the model's cost of the forward alone). None (the
         runner's own) where a layer is short enough, or while the cost is not known."""
-        if self._predict is None or layers <= 0:
+        if self._layer_predict is None or layers <= 0:
             return None
-        seconds = self._predict(STOP_GRAIN, max(0, end - STOP_GRAIN))
+        seconds = self._layer_predict(STOP_GRAIN, max(0, end - STOP_GRAIN))
         if seconds is None:
             return None
         per_layer = seconds / layers
