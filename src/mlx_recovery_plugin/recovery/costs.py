@@ -206,7 +206,7 @@ class DenseCostModel:
             return
         self._samples.append((int(context), int(tokens), float(seconds), source))
         at = context + tokens / 2.0
-        key = round(4 * math.log2(1.0 + at / 128.0))
+        key = _band_key(at)
         band = self._bands.get(key)
         if band is None:
             self._bands[key] = _Band(deque([(seconds / tokens, at)], maxlen=BAND_SAMPLES))
@@ -223,7 +223,7 @@ class DenseCostModel:
         token of a pass over ``context`` positions (:mod:`..runner.attention_probe`)."""
         if context <= 0 or not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
             return
-        key = round(4 * math.log2(1.0 + context / 128.0))
+        key = _band_key(context)
         slope = seconds_per_token / context
         old = self._attention.get(key)
         if old is None or slope < old[1]:
@@ -346,6 +346,11 @@ class HostAppendFactor:
     @property
     def value(self) -> float:
         return statistics.median(self._ratios) if self._ratios else self.prior
+
+
+def _band_key(at: float) -> int:
+    """The band of attended positions ``at`` falls in: a quarter octave each."""
+    return round(4 * math.log2(1.0 + at / 128.0))
 
 
 def _scaled(estimate: Estimate, factor: float) -> Estimate:

@@ -666,11 +666,12 @@ class EngineRecovery:
         """Where the verdict on ``job``'s whole prefix lies beyond what the slices measured,
         time the model's attention that deep first (0.03-0.6 s at 2-12k context, charged to
         the idle step like a slice): the verdict's lower bound then grows with the context."""
-        context = self.judge.attention_wanted(job) if self._attention_probe is not None else None
-        if context is None or self._attention_probe is None:
+        probe = self._attention_probe
+        context = None if probe is None else self.judge.attention_wanted(job)
+        if probe is None or context is None:
             return
         try:
-            seconds = self._attention_probe(context)
+            seconds = probe(context)
         except Exception as exc:  # noqa: BLE001 - the probe is an aid; the slices go on without it
             log.warning("mlx-recovery: engine %s: attention probe failed, not used again: %s", self.engine_id, exc)
             seconds = None

@@ -80,9 +80,9 @@ class EngineCounters:
     arrival_publications: int = 0
     arrival_publish_seconds: float = 0.0
     slice_seconds: float = 0.0
+    slice_seconds_max: float = 0.0
     #: Times the model's attention was timed deeper than the slices had reached.
     attention_probes: int = 0
-    slice_seconds_max: float = 0.0
     #: Requests that arrived (anywhere in the process) during an idle step, and the
     #: seconds from each one's arrival to the step's end: what it waited behind recovery.
     arrival_waits: int = 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,10 +121,7 @@ def probe_for(handle: Any) -> Callable[[int], float | None]:
         shape = shapes[0]
         if shape is None:
             return None
-        stream = handle.stream
-        if stream is None:
-            return attention_seconds_per_token(shape, context)
-        with mx.stream(stream):
+        with nullcontext() if handle.stream is None else mx.stream(handle.stream):
             return attention_seconds_per_token(shape, context)
 
     return probe
