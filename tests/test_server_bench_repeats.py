@@ -231,3 +231,34 @@ def test_the_pairs_committed_shares_are_reported_at_the_end_and_after_settling()
     assert summary["settled_committed_share"]["min"] == pytest.approx(3000 / 4200, abs=1e-4)
     assert summary["pairs"][0]["settled_committed_share"] == pytest.approx(0.875)
     assert "committed / run over the pairs: at the end 0.25-0.50, 40 s after the last answer 0.71-0.88" in repeat_lines(pairs)
+
+
+def test_sparse_on_against_itself_across_pairs_is_the_floor_a_recovery_turns_ratio_is_read_against() -> None:
+    """Turn 2 drifts between the pairs (5 s, then 6 s) in both arms: sparse on against
+    itself reads 1.2x at worst, and recovery no worse; recovery making turn 3 1.5x slower
+    in every pair stands out above that floor."""
+    from mlx_recovery_plugin.bench.server.repeats import RepeatPair, across_pairs, repeat_lines, repeats_summary
+
+    def pairs(rec_turn_3: float) -> list[RepeatPair]:
+        return [RepeatPair(11 + i, "sparse_on", _arm("sparse_on", [10.0, t2, 5.0], None),
+                           _arm("sparse_recovery", [9.0, t2, rec_turn_3], None)) for i, t2 in enumerate((5.0, 6.0))]
+
+    level = pairs(5.0)
+    assert across_pairs(level, "sparse_on") == [[pytest.approx(5 / 6), 1.0], [pytest.approx(1.2), 1.0]]
+    floor = repeats_summary(level)["across_pairs"]
+    assert floor["sparse_on"] == {"worst_later_turn": {"median": 1.1, "min": 1.0, "max": 1.2, "n": 2},
+                                  "later_turns": 4, "later_turns_above_1_1": 1}
+    assert floor["sparse_recovery"] == floor["sparse_on"]  # recovery's turns are sparse on's here
+
+    slower = repeats_summary(pairs(7.5))["across_pairs"]
+    assert slower["sparse_on"] == floor["sparse_on"]
+    assert slower["sparse_recovery"]["worst_later_turn"] == {"median": 1.5, "min": 1.5, "max": 1.5, "n": 2}
+    assert slower["sparse_recovery"]["later_turns_above_1_1"] == 3
+    line = next(x for x in repeat_lines(pairs(7.5)) if x.startswith("across pairs"))
+    assert "sparse on against itself median 1.10x [1.00, 1.20], 1 of 4" in line
+    assert "on + recovery median 1.50x [1.50, 1.50], 3 of 4" in line
+
+    other_turns = level[:1] + [RepeatPair(12, "sparse_on", _arm("sparse_on", [10.0, 5.0], None),
+                                          _arm("sparse_recovery", [9.0, 5.0], None))]
+    assert across_pairs(other_turns, "sparse_on") is None
+    assert repeats_summary(other_turns)["across_pairs"] == {"sparse_on": None, "sparse_recovery": None}

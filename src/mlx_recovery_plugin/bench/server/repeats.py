@@ -11,7 +11,10 @@ range. Beside it, the seconds the host itself spent in its sparse route (its log
 draft's scoring and the sparse prefill) tell the host's own work from waiting: a ratio of
 host seconds near 1 with a ratio of TTFT far from it is queueing, not slower prefill.
 Where every pair served the same turns (the sequential sessions, or concurrent ones on
-one schedule) each later turn's median ratio over the pairs is reported too.
+one schedule) each later turn's median ratio over the pairs is reported too, and each
+arm's later turns in one pair against sparse on's in another: sparse on against itself is
+how far one turn on one route spreads on the machine, the floor the recovery arm's ratios
+are read against.
 
 Sparse off runs once per session (the first schedule): it is the baseline of the oracle
 and the best reachable, not part of the pair's comparison.
@@ -97,15 +100,11 @@ def later_turns(runs: Sequence[ArmRun]) -> dict[str, float] | None:
     return spread([s.ttft_s for run in runs for s in run.steps if s.turn > 1 or s.label])
 
 
-def turn_medians(pairs: Sequence[RepeatPair]) -> list[float] | None:
-    """Each later turn's ratio of recovery to sparse on, its median over the pairs, the
-    turns matched by conversation and turn (a concurrent session's arms may list them in
-    another order). A turn that one pair served slowly by the machine's drift does not
-    decide it; one that recovery makes slower in every pair does. None where the pairs
-    served different turns (concurrent repeats each on their own schedule, unless
-    ``--one-schedule``) or there is no later turn."""
-    if len(pairs) < 2:
-        return None
+def _turn_tables(pairs: Sequence[RepeatPair]) -> list[dict[tuple[str, int, str], Any]] | None:
+    """Each pair's sparse-on and recovery steps by (conversation, turn, label), in that
+    order, pair after pair (a concurrent session's arms may list them in another order);
+    None where the pairs served different turns (concurrent repeats each on their own
+    schedule, unless ``--one-schedule``)."""
     tables = []
     for p in pairs:
         for run in (p.sparse_on, p.sparse_recovery):
@@ -115,10 +114,50 @@ def turn_medians(pairs: Sequence[RepeatPair]) -> list[float] | None:
             tables.append(table)
     if any(t.keys() != tables[0].keys() for t in tables):
         return None
+    return tables
+
+
+def turn_medians(pairs: Sequence[RepeatPair]) -> list[float] | None:
+    """Each later turn's ratio of recovery to sparse on, its median over the pairs. A turn
+    that one pair served slowly by the machine's drift does not decide it; one that
+    recovery makes slower in every pair does. None where the pairs served different turns
+    (:func:`_turn_tables`) or there is no later turn."""
+    tables = _turn_tables(pairs) if len(pairs) >= 2 else None
+    if tables is None:
+        return None
     medians = [statistics.median(rec[key].ttft_s / max(on[key].ttft_s, 1e-9)
                                  for on, rec in zip(tables[0::2], tables[1::2]))
                for key in tables[0] if key[1] > 1 or key[2]]
     return medians or None
+
+
+def across_pairs(pairs: Sequence[RepeatPair], arm: str) -> list[list[float]] | None:
+    """``arm``'s later turns in one pair over sparse on's same turns in another, for every
+    ordered two of the pairs: one list of ratios each. With ``arm`` "sparse_on" it is
+    sparse on against itself, served as far apart as the pairs are: how far the same turn
+    on the same route spreads on this machine, the floor a later turn's ratio with
+    recovery is read against (the 1.1x goal means nothing where sparse on against itself
+    exceeds it); with "sparse_recovery", recovery against sparse on at the same distances,
+    so the two compare fairly. None with fewer than two pairs or where the pairs served
+    different turns."""
+    tables = _turn_tables(pairs) if len(pairs) >= 2 else None
+    if tables is None:
+        return None
+    ons, others = tables[0::2], tables[0::2] if arm == "sparse_on" else tables[1::2]
+    keys = [key for key in tables[0] if key[1] > 1 or key[2]]
+    return [[others[i][key].ttft_s / max(ons[j][key].ttft_s, 1e-9) for key in keys]
+            for i in range(len(pairs)) for j in range(len(pairs)) if i != j]
+
+
+def _across_summary(pairs: Sequence[RepeatPair], arm: str) -> dict[str, Any] | None:
+    """:func:`across_pairs`: the spread of each comparison's worst later turn, and how many
+    of all the later-turn ratios are above 1.1x."""
+    lists = across_pairs(pairs, arm)
+    if not lists or not all(lists):
+        return None
+    ratios = [r for ratios in lists for r in ratios]
+    return {"worst_later_turn": spread([max(ratios) for ratios in lists]),
+            "later_turns": len(ratios), "later_turns_above_1_1": sum(r > 1.1 for r in ratios)}
 
 
 def worst_turn_median(pairs: Sequence[RepeatPair]) -> float | None:
@@ -148,6 +187,9 @@ def repeats_summary(pairs: Sequence[RepeatPair]) -> dict[str, Any] | None:
         "worst_later_turn_median_vs_on": _round(max(medians)) if medians else None,
         "later_turn_medians": len(medians or ()),
         "later_turn_medians_above_1_1": sum(m > 1.1 for m in medians or ()),
+        # Each arm's later turns in one pair against sparse on's in another.
+        "across_pairs": {"sparse_on": _across_summary(pairs, "sparse_on"),
+                         "sparse_recovery": _across_summary(pairs, "sparse_recovery")},
         "worst_alone_later_turn_vs_on": _round(max(alone)) if alone else None,
         "alone_later_turns": len(alone),
         "worst_alike_later_turn_vs_on": _round(max(alike)) if alike else None,
@@ -191,6 +233,15 @@ def repeat_lines(pairs: Sequence[RepeatPair]) -> list[str]:
         lines.append(f"worst later turn against sparse on, each turn's median over the pairs: {worst:.2f}x "
                      f"({summary['later_turn_medians']} later turns, {summary['later_turn_medians_above_1_1']} "
                      "with a median above 1.1x)")
+    aa, ab = summary["across_pairs"]["sparse_on"], summary["across_pairs"]["sparse_recovery"]
+    if aa is not None and ab is not None:
+        lines.append(
+            "across pairs (one pair's turn over sparse on's same turn in another), worst later turn per comparison: "
+            f"sparse on against itself median {aa['worst_later_turn']['median']:.2f}x "
+            f"[{aa['worst_later_turn']['min']:.2f}, {aa['worst_later_turn']['max']:.2f}], "
+            f"{aa['later_turns_above_1_1']} of {aa['later_turns']} later turns above 1.1x; on + recovery "
+            f"median {ab['worst_later_turn']['median']:.2f}x [{ab['worst_later_turn']['min']:.2f}, "
+            f"{ab['worst_later_turn']['max']:.2f}], {ab['later_turns_above_1_1']} of {ab['later_turns']} above 1.1x")
     if summary["worst_alone_later_turn_vs_on"] is not None:
         lines.append(f"worst later turn against sparse on of those no other request touched in either arm: "
                      f"{summary['worst_alone_later_turn_vs_on']:.2f}x ({summary['alone_later_turns']} such turns "
