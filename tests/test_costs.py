@@ -946,3 +946,27 @@ def test_at_a_request_a_held_partial_prefix_is_not_published_before_the_dense_co
     partial = judge.judge(job, 7168, next_tokens=10103)
     assert partial.verdict is Verdict.HOLD, partial.reason
     assert judge.judge(job, 9472, next_tokens=10103).verdict is Verdict.PUBLISH
+
+
+def test_attention_is_not_timed_while_other_processes_load_the_machine() -> None:
+    """The probe's few queries, timed while other processes hold the cores, read 7-23x
+    their quiet cost (a real pass 2-3x): a prefix beyond the slices' evidence is timed on
+    a quiet machine only."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    counters = Counters()
+    judge = _judge_with(counters)
+    job = RecoveryJob(1, tuple(range(9216)), 9216)
+    judge.note_route(job, _sparse_turn(9216, 10.0), appended=600, now=0.0)
+    for context in (0, 1024, 2048):
+        counters.advance(5.0, others=0.0)
+        judge.observe(context, 1024, 1024 * (1e-4 + 4e-7 * (context + 512)))
+    assert judge.regime.value == "quiet" and judge.attention_wanted(job) == 9816
+    for context in (3072, 4096, 5120):  # the loaded regime's own model, as far from 9.8k
+        counters.advance(5.0, others=1.0)
+        judge.observe(context, 1024, 2 * 1024 * (1e-4 + 4e-7 * (context + 512)))
+    assert judge.regime.value == "busy" and judge.costs.wants_attention(600, 9216)
+    counters.advance(5.0, others=1.0)
+    assert judge.attention_wanted(job) is None
+    counters.advance(5.0, others=0.0)
+    assert judge.attention_wanted(job) == 9816 and judge.regime.value == "quiet"

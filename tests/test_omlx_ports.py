@@ -122,6 +122,28 @@ def test_a_store_writes_every_block_under_the_host_buffer_lock(
     assert depths == [1, 1] and lock.depth == 0
 
 
+def test_a_store_waits_for_room_in_the_hosts_ssd_write_queue_instead_of_losing_a_block(
+    engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """oMLX drops a block that finds its SSD write queue full and rolls the store back to
+    before it: a whole prefix published at once came back one block short on the real
+    server. Here the queue is one deep and full when the store begins; its writer thread
+    takes the item off within a second (it waits on the queue it had for up to 1 s)."""
+    import queue
+
+    from mlx_recovery_plugin.hosts.omlx import ports as ports_mod
+
+    ssd = scheduler.block_aware_cache.paged_ssd_cache
+    pending: queue.Queue[Any] = queue.Queue(maxsize=1)
+    pending.put_nowait(("unlink", str(tmp_path / "no-such-block.safetensors")))
+    monkeypatch.setattr(ssd, "_write_queue", pending)
+    monkeypatch.setattr(ports_mod, "SSD_QUEUE_WAIT_S", 10.0)  # the writer's own poll is 1 s
+    tokens = contract_tokens(3 * BLOCK + 20, seed=12)
+    assert engine.prefix_cache.store("job", tokens, dense_blocks(models[0], tokens, 3)) == 3 * BLOCK
+    assert engine.prefix_cache.stored_tokens(tokens) == 3 * BLOCK
+    assert held_references(scheduler) == {}
+
+
 def test_tail_blocks_are_refused_until_the_blocks_before_them_are_stored(
     engine: OmlxEngine, scheduler: Any, models: tuple[Any, Any]
 ) -> None:

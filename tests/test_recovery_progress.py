@@ -889,3 +889,59 @@ def test_a_partial_prefix_held_before_the_dense_cost_is_known_is_not_published_a
     assert status["counters"]["arrival_publications"] == 0
     assert status["policy"]["at_last_request"]["verdict"] == "hold"
     assert status["jobs"][0]["held_tokens"] == held
+
+
+class _MachineCounters:
+    """The machine's CPU counters as :class:`MachineLoad` reads them, on the rig's clock:
+    2 cores, ``others`` of them busy with other processes."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock, self.others = clock, 1.0
+        self.busy = 0.0
+        self.since = clock()
+
+    def __call__(self) -> tuple[float, float, float]:
+        now = self.clock()
+        self.busy += self.others * (now - self.since)
+        self.since = now
+        return self.busy, 2 * now, 0.0
+
+
+def test_a_stand_down_taken_under_load_is_judged_again_once_the_machine_is_quiet_with_no_slice_running(
+    rigs,
+) -> None:
+    """Every job stood down while other processes loaded the machine: no slice runs, and
+    before, nothing read the load until the next turn, so the stand-down held through
+    the quiet idle time after it (bench policy, 4096x2 loaded: the quiet next turn would
+    have paid 2.2x). Now the idle step reads the load, and the switch to quiet reopens it."""
+    from mlx_recovery_plugin.recovery.machine_load import MachineLoad
+
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    counters = _MachineCounters(rig.clock)
+    (service,) = rig.plugin._engines.values()
+    service.judge._load = MachineLoad(counters)
+    for _ in range(2):  # the load read from the start: the first turn is timed under it
+        service.judge.look_at_load()
+        rig.clock.advance(5.0)
+    prompt = random_tokens(25, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=0.5)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    assert status["jobs"][0]["stood_down"] and status["policy"]["load_regime"] == "busy", (status["jobs"], status["policy"]["reason"], status["policy"]["load_regime"])
+    slices = status["counters"]["slices"]
+
+    def host_idle_for(seconds: float) -> None:
+        """The host offers idle steps every second (the rig's ``idle`` stops where no job asks for one)."""
+        for _ in range(int(seconds)):
+            rig.clock.advance(1.0)
+            rig.engine.offer_idle_step()
+        rig.idle(until=rig.clock() + 100.0)
+
+    host_idle_for(20.0)
+    assert rig.status()["counters"]["slices"] == slices  # still loaded: nothing new, nothing run
+
+    counters.others = 0.0  # the other processes end; no turn comes
+    host_idle_for(20.0)
+    status = rig.status()
+    assert status["policy"]["load_regime"] == "quiet"
+    assert status["counters"]["slices"] > slices, "the quiet machine judges the job on its own slices"

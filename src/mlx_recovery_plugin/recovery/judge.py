@@ -249,8 +249,12 @@ class PublishJudge:
     def attention_wanted(self, job: RecoveryJob) -> int | None:
         """The context to time the model's attention at before ``job`` is worked on: its
         next prompt's expected length, where the pass over its whole prefix lies beyond
-        the slices' evidence and nothing was timed near it (None: no probe wanted)."""
-        if self.policy is not PublishPolicy.AUTO:
+        the slices' evidence and nothing was timed near it (None: no probe wanted). Not
+        while other processes load the machine: the probe's few queries are then timed
+        mostly waiting for cores (2-core machine, two busy processes: 3.8-11.8 us a token
+        per position against 0.5 quiet, where a pass of 600 queries read 1.0), and a
+        4096x2 target that paid 2.2x stood down on it (bench policy, loaded cell)."""
+        if self.policy is not PublishPolicy.AUTO or self._look() is Regime.BUSY:
             return None
         route = self._routes.get(job.job_id) or RouteMemory()
         full = job.publish_end(self.block_size)
@@ -258,6 +262,17 @@ class PublishJudge:
         if not self.costs.wants_attention(next_tokens - full, full):
             return None
         return next_tokens
+
+    def look_at_load(self) -> None:
+        """Read the machine's load now: a change of regime is new evidence, which reopens
+        what was stood down or paused in the other one. Where no job runs a slice nothing
+        else reads it until the next turn, and a stand-down taken under load held through
+        the quiet idle time after it (bench policy, 4096x2 loaded: the quiet next turn
+        would have paid 2.2x)."""
+        before = self.regime
+        self._look()
+        if self.regime is not before:
+            self._status = self._build_status()
 
     def observe_attention(self, context: int, seconds_per_token: float) -> None:
         """The model's attention was timed at ``context`` (:mod:`..runner.attention_probe`),

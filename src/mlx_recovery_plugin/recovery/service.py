@@ -629,7 +629,9 @@ class EngineRecovery:
 
     def _reopen_stood_down(self) -> bool:
         """Under ``_lock``: jobs stood down on evidence the cost model has since outgrown
-        (another job's slices, the host's own dense appends) are judged again."""
+        (another job's slices, the host's own dense appends, the machine's load regime
+        changing) are judged again."""
+        self.judge.look_at_load()
         evidence = self.judge.evidence
         return any([job.reconsider(evidence) for job in self.book])
 
