@@ -911,9 +911,11 @@ def test_a_stand_down_taken_under_load_is_judged_again_once_the_machine_is_quiet
     rigs,
 ) -> None:
     """Every job stood down while other processes loaded the machine: no slice runs, and
-    before, nothing read the load until the next turn, so the stand-down held through
-    the quiet idle time after it (bench policy, 4096x2 loaded: the quiet next turn would
-    have paid 2.2x). Now the idle step reads the load, and the switch to quiet reopens it."""
+    before, nothing read the load until the next turn (the host offers no idle step after
+    an answer of "nothing"), so the stand-down held through the quiet idle time after it
+    (bench policy, 4096x2 loaded: the quiet next turn would have paid 2.2x). Now the
+    engine asks for an idle step every few seconds while loaded, reads the load there,
+    and the switch to quiet reopens the job."""
     from mlx_recovery_plugin.recovery.machine_load import MachineLoad
 
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
@@ -930,18 +932,13 @@ def test_a_stand_down_taken_under_load_is_judged_again_once_the_machine_is_quiet
     assert status["jobs"][0]["stood_down"] and status["policy"]["load_regime"] == "busy", (status["jobs"], status["policy"]["reason"], status["policy"]["load_regime"])
     slices = status["counters"]["slices"]
 
-    def host_idle_for(seconds: float) -> None:
-        """The host offers idle steps every second (the rig's ``idle`` stops where no job asks for one)."""
-        for _ in range(int(seconds)):
-            rig.clock.advance(1.0)
-            rig.engine.offer_idle_step()
-        rig.idle(until=rig.clock() + 100.0)
-
-    host_idle_for(20.0)
+    # The host offers idle steps only while one asks for them (as oMLX's idle driver does):
+    # under load the stood-down job's engine asks every LOAD_RECHECK_S to read the load.
+    rig.idle(until=rig.clock() + 20.0)
     assert rig.status()["counters"]["slices"] == slices  # still loaded: nothing new, nothing run
 
     counters.others = 0.0  # the other processes end; no turn comes
-    host_idle_for(20.0)
+    rig.idle(until=rig.clock() + 100.0)
     status = rig.status()
     assert status["policy"]["load_regime"] == "quiet"
     assert status["counters"]["slices"] > slices, "the quiet machine judges the job on its own slices"
