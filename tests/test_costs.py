@@ -129,6 +129,24 @@ def test_attention_bound_model_stands_down_and_says_why_once_measured_near_the_n
     assert decision.dense_s > decision.sparse_s
 
 
+def test_a_whole_prefix_slower_by_less_than_the_margin_is_held_not_stood_down() -> None:
+    """A stand-down drops what the job holds; a whole prefix whose cheapest reading is
+    slower than the sparse rerun by less than the margin a publication must clear the
+    other way (0.9) is held instead (settled: more slices would not change it), so that
+    its conversation's next turn, judged at its real length, may still use it."""
+    model = fitted(**ATTENTION_BOUND, contexts=(0, 2048, 4096, 6144, 8192, 8704))
+    full = model.estimate(9800 - 9216, 9216)
+    assert full is not None and full.supported
+
+    def at(sparse_s: float):  # the rerun measured at the next turn's own length
+        return decide(model, boundary=9216, full_boundary=9216, next_tokens=9800, threshold=8192, keep=0.2,
+                      measured=SparseSample(9800, sparse_s))
+
+    close = at(full.low / 1.05)
+    assert close.verdict is Verdict.HOLD and close.settled and "too close to stand down" in close.reason
+    assert at(full.low / 1.2).verdict is Verdict.STAND_DOWN
+
+
 def test_evidence_from_short_contexts_alone_never_stands_a_job_down() -> None:
     """Issue 18's run B: a fit on contexts up to ~3.5k, extrapolated 3-4x, stood a job down
     for good. Beyond the evidence only a lower bound is known: the job is held, and goes on

@@ -423,6 +423,31 @@ def test_recovery_stands_down_where_no_prefix_pays_and_says_why(rigs) -> None:
     assert rig.runners[0].lives == set()
 
 
+def test_a_close_call_holds_what_was_run_and_the_next_turn_goes_on_from_it(rigs) -> None:
+    """The sparse rerun (~4.8 s) is a little cheaper than the cheapest reading of the dense
+    append over the whole prefix (~5.0 s), by less than the margin: too close to stand down. The
+    blocks run so far are kept (the job pauses), and when the conversation's next turn
+    finds the sparse route slow, recovery goes on from them instead of running them again
+    (a stand-down dropped them: bench server, 768x6, 9,472 tokens)."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    prompt = random_tokens(33, PROMPT)
+    rig.served(prompt, threshold=5000, prefill_s=3.2)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    (job,) = status["jobs"]
+    assert "too close to stand down" in (job["paused"] or ""), repr((job, status["policy"]))
+    assert job["stood_down"] is None and status["counters"]["jobs_stood_down"] == 0
+    held = job["held_tokens"]
+    assert held > 0 and rig.restorable(prompt) == 0
+    assert status["counters"]["tokens_run"] == held
+    longer = prompt + random_tokens(34, 200)
+    rig.served(longer, threshold=5000, prefill_s=60.0)  # now the sparse route is slow
+    rig.idle(until=rig.clock() + 100.0)
+    assert rig.restorable(longer) == 1152
+    assert rig.runners[0].begun[-1] == held, "the next slice went on from the held blocks"
+    assert rig.status()["counters"]["tokens_run"] == 1152, "nothing was run twice"
+
+
 def test_attention_timed_at_the_next_turns_depth_stands_a_job_down_before_its_slices_get_there(rigs) -> None:
     """An attention-bound machine (the dense append over the whole prefix ~16 s at the
     host's prior against a sparse rerun of ~7 s): the first slices measure only shallow contexts, where the
