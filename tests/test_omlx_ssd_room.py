@@ -9,14 +9,7 @@ import queue
 from types import SimpleNamespace
 
 from mlx_recovery_plugin.hosts.omlx.ports import SSD_QUEUE_POLL_S, wait_for_ssd_room
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from mlx_recovery_plugin.testing.clock import FakeClock
 
 
 def _full_queue(depth: int) -> queue.Queue[object]:
@@ -29,11 +22,11 @@ def _full_queue(depth: int) -> queue.Queue[object]:
 def test_a_store_waits_until_the_writer_takes_a_block_off_a_full_queue() -> None:
     pending = _full_queue(2)
     cache = SimpleNamespace(paged_ssd_cache=SimpleNamespace(_write_queue=pending, _hot_cache_enabled=False))
-    clock, sleeps = _Clock(), []
+    clock, sleeps = FakeClock(), []
 
     def writer_takes_one_on_the_third_poll(seconds: float) -> None:
         sleeps.append(seconds)
-        clock.now += seconds
+        clock.advance(seconds)
         if len(sleeps) == 3:
             pending.get_nowait()
 
@@ -43,12 +36,8 @@ def test_a_store_waits_until_the_writer_takes_a_block_off_a_full_queue() -> None
 
 def test_the_wait_is_bounded_and_says_when_the_queue_stayed_full() -> None:
     cache = SimpleNamespace(paged_ssd_cache=SimpleNamespace(_write_queue=_full_queue(1), _hot_cache_enabled=False))
-    clock = _Clock()
-
-    def sleep(seconds: float) -> None:
-        clock.now += seconds
-
-    assert not wait_for_ssd_room(cache, wait_s=0.5, clock=clock, sleep=sleep)
+    clock = FakeClock()
+    assert not wait_for_ssd_room(cache, wait_s=0.5, clock=clock, sleep=clock.advance)
     assert 0.5 <= clock.now < 0.5 + 2 * SSD_QUEUE_POLL_S
 
 

@@ -344,9 +344,9 @@ class EngineRecovery:
             self._retire_live()
             self._publish_held_that_now_pays()
             if self._ledger.pending:
-                wait = RELEASE_RETRY_S if wait is None else min(wait, RELEASE_RETRY_S)
+                wait = _sooner(wait, RELEASE_RETRY_S)
             if recheck_load:
-                wait = LOAD_RECHECK_S if wait is None else min(wait, LOAD_RECHECK_S)
+                wait = _sooner(wait, LOAD_RECHECK_S)
             return _later(wait)
 
         generation, arrivals = self._cancel.generation, self._arrivals()
@@ -811,6 +811,11 @@ class EngineRecovery:
     def _count_fault(self, kind: FaultKind) -> None:
         with self._lock:
             self.counters.fault(kind.value)
+
+
+def _sooner(wait: float | None, seconds: float) -> float:
+    """``wait``, or ``seconds`` where that comes first (or nothing else is waited for)."""
+    return seconds if wait is None else min(wait, seconds)
 
 
 def _later(wait: float | None) -> float | None:
