@@ -48,6 +48,29 @@ def test_a_verdict_is_wrong_only_where_the_truth_says_so_and_costs_what_the_turn
     assert not slow.wrong and slow.slow_turn
 
 
+def test_the_turn_with_recovery_is_judged_against_the_reruns_on_both_sides_of_it(tmp_path: Path) -> None:
+    # The machine slowed over the cell (2048x4 loaded at 12,288: the truth's reruns 13.6
+    # and 13.8 s, 15.5 s after the turn): a sparse turn of 16.4 s is 1.04x the reruns
+    # around it, not 1.19x the truth's.
+    slowed = CellResult(CELL, [12.0, 12.1], [13.6, 13.8], 1024, 16.4, 0, "held",
+                        sparse_before_s=16.0, sparse_after_s=15.5)
+    assert slowed.turn_ratio == pytest.approx(16.4 / 15.75)
+    assert not slowed.slow_turn
+    assert slowed.drift == pytest.approx(15.75 / 13.7)
+    # Reruns around the turn as fast as the truth's: a slow turn is still slow.
+    steady = CellResult(CELL, [12.0, 12.1], [13.6, 13.8], 1024, 16.4, 0, "held",
+                        sparse_before_s=13.7, sparse_after_s=13.7)
+    assert steady.slow_turn and steady.turn_ratio == pytest.approx(16.4 / 13.7)
+    # A report written before the rerun before the turn was measured: judged as then.
+    older = CellResult(CELL, [12.0, 12.1], [13.6, 13.8], 1024, 16.4, 0, "held", sparse_after_s=15.5)
+    assert older.drift is None and older.turn_ratio == pytest.approx(16.4 / 13.8)
+    report = PolicyReport([slowed])
+    report.write_json(tmp_path / "policy.json")
+    again = PolicyReport.read_json(tmp_path / "policy.json").results[0]
+    assert (again.sparse_before_s, again.sparse_after_s) == (16.0, 15.5) and not again.slow_turn
+    assert "16.00 s and 15.50 s, 1.15x the truth's 13.70 s" in format_report(report)
+
+
 def test_the_report_counts_the_confusion_matrix_and_names_a_missed_goal() -> None:
     report = PolicyReport([
         result(1.0, 2.0, "stood_down", 2.0), result(1.0, 2.0, "published", 1.0),
@@ -144,6 +167,8 @@ def test_the_quick_matrix_measures_every_cell_on_the_omlx_scheduler(tmp_path: Pa
     for r in report.results:
         assert len(r.dense_append_s) == len(r.sparse_rerun_s) == 2
         assert r.recovery_turns_s == [r.recovery_turn_s]  # a quiet turn is served once
+        # The sparse rerun was measured on both sides of the turn with recovery.
+        assert r.sparse_before_s is not None and r.sparse_after_s is not None and r.drift is not None
         assert r.dense_cached == r.cell.context  # the dense route cached the whole first turn
         assert r.verdict in ("published", "partial", "held", "stood_down", "nothing")
         if r.published:

@@ -71,6 +71,9 @@ class CellResult:
     idle_s: float = 0.0
     #: The sparse rerun measured again right after the turn with recovery (None: not).
     sparse_after_s: float | None = None
+    #: And right before it, after the recovery arm's idle time (None: not): the reruns
+    #: of the truth were taken minutes earlier, before that idle time.
+    sparse_before_s: float | None = None
     #: Whether the competing load ran when the recovery arm served its first turn, and
     #: its next one.
     load_at_turns: tuple[bool, bool] = (False, False)
@@ -133,10 +136,23 @@ class CellResult:
 
     @property
     def turn_ratio(self) -> float:
-        """The next turn with recovery against the sparse rerun (its median over the
-        reruns before the turn and the one right after it)."""
+        """The next turn with recovery against the sparse rerun: the mean of the reruns
+        right before and right after it where both were measured (the machine's speed
+        drifts over a cell: on 2048x4 the truth's reruns took 13.6-13.8 s and the one
+        after the turn 15.5 s, examples/policy-bench-close-shapes-12288-result.json),
+        else the median of the truth's reruns and the one after."""
+        if self.sparse_before_s is not None and self.sparse_after_s is not None:
+            return self.recovery_turn_s / max((self.sparse_before_s + self.sparse_after_s) / 2.0, 1e-9)
         around = self.sparse_rerun_s + ([self.sparse_after_s] if self.sparse_after_s is not None else [])
         return self.recovery_turn_s / max(statistics.median(around), 1e-9)
+
+    @property
+    def drift(self) -> float | None:
+        """The reruns around the turn against the truth's (1.0: the machine kept its speed
+        over the cell; None where they were not measured)."""
+        if self.sparse_before_s is None or self.sparse_after_s is None:
+            return None
+        return (self.sparse_before_s + self.sparse_after_s) / 2.0 / max(self.sparse_s, 1e-9)
 
     @property
     def cost_s(self) -> float:
@@ -158,6 +174,7 @@ class CellResult:
             "dense_cached": self.dense_cached, "pays": self.pays, "pays_range": list(self.spread),
             "truth": self.truth, "verdict": self.verdict, "wrong": self.wrong, "cost_s": self.cost_s,
             "slow_turn": self.slow_turn, "sparse_after_s": self.sparse_after_s,
+            "sparse_before_s": self.sparse_before_s, "drift": self.drift,
             "load_at_turns": list(self.load_at_turns),
             "recovery_turn_s": self.recovery_turn_s, "recovery_cached": self.recovery_cached,
             "recovery_turns_s": self.recovery_turns_s, "recovery_turns_cached": self.recovery_turns_cached,
@@ -236,6 +253,10 @@ def measure_cell(
                     late.start()
                     time.sleep(LOAD_SETTLE_S)
                 rec.think(IDLE_CAP_S)
+            # The sparse rerun right before the turn with recovery, and once more right
+            # after it: the turn is judged against the two (see ``turn_ratio``).
+            before_s = on.serve(base + tokens(cell.append, seed + 1 + len(nexts)), len(nexts) + 1).row.ttft_s
+            on.think(SETTLE_S)
             assert rec.plugin is not None
             before = _engine_status(rec.plugin.status())
             loaded_next = late is not None and late.running
@@ -255,9 +276,7 @@ def measure_cell(
                     again = rec.serve(prompt, k).row
                     rec.think(SETTLE_S)
                     turns.append((again.ttft_s + arrival_s, again.cached_tokens))
-            # The sparse rerun once more, right after: the machine's speed drifts over a
-            # cell, and the turn with recovery is judged against reruns on both sides of it.
-            after = on.serve(base + tokens(cell.append, seed + 1 + len(nexts)), len(nexts) + 1).row.ttft_s
+            after = on.serve(base + tokens(cell.append, seed + 2 + len(nexts)), len(nexts) + 2).row.ttft_s
             on.think(SETTLE_S)
         finally:
             if late is not None:
@@ -268,7 +287,8 @@ def measure_cell(
     # After the turn: a publication may wait for the turn's arrival (its real length).
     counters = after_turn.get("counters", {})
     return CellResult(
-        cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached, sparse_after_s=after,
+        cell=cell, dense_append_s=dense, sparse_rerun_s=sparse, dense_cached=cached,
+        sparse_before_s=before_s, sparse_after_s=after,
         load_at_turns=(loaded_first, loaded_next),
         # A repeat that restored another prefix (the host stored a partly recovered turn's
         # dense prefill) served another route: it is kept in the record, not in the median.

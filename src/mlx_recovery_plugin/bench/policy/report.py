@@ -70,7 +70,8 @@ class PolicyReport:
                 dense_cached=c["dense_cached"], recovery_turn_s=c["recovery_turn_s"],
                 recovery_cached=c["recovery_cached"], verdict=c["verdict"], policy=c["policy"],
                 tokens_run=c["tokens_run"], tokens_recovered=c["tokens_recovered"], idle_s=c["idle_s"],
-                sparse_after_s=c.get("sparse_after_s"), load_at_turns=tuple(c.get("load_at_turns", (False, False))),
+                sparse_after_s=c.get("sparse_after_s"), sparse_before_s=c.get("sparse_before_s"),
+                load_at_turns=tuple(c.get("load_at_turns", (False, False))),
                 recovery_turns_s=c.get("recovery_turns_s", [c["recovery_turn_s"]]),
                 recovery_turns_cached=c.get("recovery_turns_cached", [c["recovery_cached"]]),
             ))
@@ -96,6 +97,12 @@ def format_report(report: PolicyReport) -> str:
             f"{r.truth:>6} {r.verdict:>10} {r.recovery_turn_s:7.2f} {r.turn_ratio:6.2f} "
             f"{r.recovery_cached:7d} {kept:>5} {r.cost_s:6.2f}{mark}"
         )
+    around = [r for r in report.results if r.drift is not None]
+    if around:
+        lines += ["", "the sparse rerun right before and after the turn with recovery (rec/sp is the turn "
+                  "against their mean), and their mean against the truth's reruns:"]
+        lines += [f"  {r.cell.label}: {r.sparse_before_s:.2f} s and {r.sparse_after_s:.2f} s, "
+                  f"{r.drift:.2f}x the truth's {r.sparse_s:.2f} s" for r in around]
     held_back = [r for r in report.results if r.policy.get("job_reason")]
     if held_back:
         lines += ["", "why a job stood down or paused (its own reason):"]
