@@ -296,6 +296,7 @@ def test_status_says_how_long_a_request_arriving_during_a_slice_waited_for_it(ma
     assert counters["arrival_waits"] == 1, "the first slice had no request waiting"
     assert counters["arrival_wait_seconds_max"] == pytest.approx(0.3)
     assert counters["arrival_wait_seconds"] == pytest.approx(0.3)
+    assert counters["arrival_wait_seconds_max_by_phase"] == {"slice": pytest.approx(0.3)}
     exported = rig.plugin.counters()
     assert exported["mlx_recovery_arrival_waits_total:e"] == 1
     assert exported["mlx_recovery_arrival_wait_seconds_total:e"] == pytest.approx(0.3)

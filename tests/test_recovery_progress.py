@@ -488,6 +488,36 @@ def test_attention_timed_at_the_next_turns_depth_stands_a_job_down_before_its_sl
     assert untimed.status()["policy"]["attention_s_per_token_per_context"] is None
 
 
+def test_a_request_arriving_during_the_attention_probe_waits_for_the_probe_only(rigs) -> None:
+    """The probe cannot be stopped; a request that came in during it waits for its end,
+    not also for a fetch of the host's blocks and a slice begun only to stop at its first
+    layer. The status books the wait to the probe."""
+    box: list[Rig] = []
+    arrived: list[str] = []
+
+    def attention(context: int) -> float:
+        if not arrived:
+            arrived.append(box[0].host.submit("e", random_tokens(28, 300), max_tokens=2))
+            box[0].clock.advance(0.4)  # the probe's own time
+        return 1e-7  # cheap attention: the job goes on, its slices are not cut short
+
+    rig = rigs(block=64, a=1e-4, b=1e-7, budget_pct=100.0, slice_tokens=128, attention=attention)
+    box.append(rig)
+    rig.served(random_tokens(27, PROMPT), threshold=5000, prefill_s=3.0)
+    for _ in range(40):
+        if arrived:
+            break
+        rig.engine.offer_idle_step()
+    assert arrived, "the probe was asked for"
+    counters = rig.status()["counters"]
+    assert counters["arrival_waits"] == 1
+    assert counters["arrival_wait_seconds_max"] == pytest.approx(0.4), "it waited for the probe, nothing more"
+    assert counters["arrival_wait_seconds_max_by_phase"] == {"probe": pytest.approx(0.4)}
+    assert counters["slices_interrupted"] == 0, "no slice was begun behind the arrival"
+    rig.host.run_until_idle()
+    assert len(rig.host.result(arrived[0]).output_tokens) == 2
+
+
 def test_an_attention_probe_that_fails_is_dropped_and_the_slices_go_on(rigs) -> None:
     calls: list[int] = []
 

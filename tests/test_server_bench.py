@@ -231,8 +231,11 @@ def test_status_figures_carry_each_jobs_progress_and_when_it_is_due_back() -> No
     status = {"process": {"tokens_recovered": 0},
               "engines": {"e": {"jobs": [job], "stop_grain": 64, "counters": {
                   "slices_interrupted": 4, "arrival_waits": 4, "arrival_wait_seconds": 0.61234,
-                  "arrival_wait_seconds_max": 0.25, "attention_probes": 2}}}}
+                  "arrival_wait_seconds_max": 0.25, "attention_probes": 2,
+                  "arrival_wait_seconds_max_by_phase": {"slice": 0.25, "probe": 0.12345}}}}}
     figures = status_figures(status)
+    # Which part of the idle step the longest waits came in during.
+    assert figures["arrival_wait_s_max_by_phase"] == {"slice": 0.25, "probe": 0.1235}
     assert figures["stop_grain"] == 64, "the passes of the last slice, where an arrival waited"
     assert (figures["arrival_waits"], figures["arrival_wait_s"], figures["arrival_wait_s_max"]) == (4, 0.6123, 0.25)
     assert figures["jobs"] == [{"job_id": 3, "committed": 0, "held_tokens": 5376, "publish_end": 9472,

@@ -52,6 +52,7 @@ from .returns import ReturnTimes, due_first
 from .runnable import RunnableGate, held_memory_bound, machine_memory_bytes
 from .slice_size import SliceSizer
 from .status import EngineCounters, EngineStatus, JobStatus
+from .step_phases import PROBE, SETTLE, SLICE, START, VERDICT, StepPhases
 
 if TYPE_CHECKING:
     from ..runner import SliceOutcome
@@ -133,6 +134,8 @@ class EngineRecovery:
         )
         # Written on the engine thread before each slice; read whole by snapshot().
         self._stop_grain: int | None = None
+        # The parts of the idle step now running (engine thread only).
+        self._phases = StepPhases()
         self._ledger = ReleaseLedger(self.engine_id, self._count_fault)
         self._live = LiveDense(
             port,
@@ -361,6 +364,7 @@ class EngineRecovery:
             return self._cancel.stop_requested() or self._arrivals() != arrivals
 
         started = self._clock()
+        self._phases.begin(started)
         ran, context = 0, 0
         try:
             ran, context = self._run_slice(job, should_stop)
@@ -373,9 +377,8 @@ class EngineRecovery:
             with self._lock:
                 self.counters.slice_seconds += spent
                 self.counters.slice_seconds_max = max(self.counters.slice_seconds_max, spent)
-                self.counters.arrival_waits += len(waits)
-                self.counters.arrival_wait_seconds += sum(waits)
-                self.counters.arrival_wait_seconds_max = max(self.counters.arrival_wait_seconds_max, *waits, 0.0)
+                for wait, behind in waits:
+                    self.counters.waited(wait, behind)
         if self._cancel.generation != generation:
             self._drop_everything("cancelled")
             return None
@@ -429,23 +432,31 @@ class EngineRecovery:
             return wait if math.isfinite(wait) and wait > 0 else RETRY_S
         return RETRY_S
 
-    def _arrival_waits(self, arrivals_before: int, started: float) -> list[float]:
+    def _arrival_waits(self, arrivals_before: int, started: float) -> list[tuple[float, dict[str, float]]]:
         """Of each request that came in during the idle step that began at ``started``
-        (it then waited for the step's end), the seconds from its arrival to now."""
+        (it then waited for the step's end), the seconds from its arrival to now, and
+        those seconds per part of the step that ran meanwhile."""
         _, times = self._arrivals_since(arrivals_before)
         now = self._clock()
-        return [max(0.0, now - max(at, started)) for at in times]
+        return [(max(0.0, now - max(at, started)), self._phases.behind(at, now)) for at in times]
 
     def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> tuple[int, int]:
         """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)
         and the context it started at."""
         if not self._have_runner():
             return 0, 0
+        self._phases.mark(PROBE, self._clock())
         self._time_attention(job)
+        self._phases.mark(VERDICT, self._clock())
         if self._stands_down_or_pauses(job):
+            return 0, 0
+        # A request that came in behind the parts that cannot stop waits for no more of
+        # them: fetching the host's blocks for a slice that would stop at once is not begun.
+        if should_stop():
             return 0, 0
         end_target = job.publish_end(self.block_size)
         if not self._live.is_for(job, end_target):
+            self._phases.mark(START, self._clock())
             self._retire_live()
             if not self._start(job, end_target):
                 return 0, 0
@@ -454,12 +465,14 @@ class EngineRecovery:
         end = self._sizer.end(start, end_target)
         grain = self._stop_grain = self._sizer.stop_grain(end, self._live.layers)
         began = self._clock()
+        self._phases.mark(SLICE, began)
         try:
             outcome = self._live.advance(end, should_stop, grain)
         except Exception as exc:  # noqa: BLE001 - runner faults park the job
             self._runner_fault(job, exc)
             return 0, start
         seconds = self._clock() - began
+        self._phases.mark(SETTLE, began + seconds)
         with self._lock:
             self.counters.slices += 1
             self.counters.tokens_run += int(outcome.tokens_run)

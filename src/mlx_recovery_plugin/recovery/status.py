@@ -88,8 +88,20 @@ class EngineCounters:
     arrival_waits: int = 0
     arrival_wait_seconds: float = 0.0
     arrival_wait_seconds_max: float = 0.0
+    #: Per part of the idle step (:mod:`.step_phases`: step, probe, verdict, start,
+    #: slice, settle), the longest time a waiting request spent behind it.
+    arrival_wait_seconds_max_by_phase: dict[str, float] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
+
+    def waited(self, seconds: float, behind: dict[str, float]) -> None:
+        """A request waited ``seconds`` for the end of an idle step, ``behind`` its parts."""
+        self.arrival_waits += 1
+        self.arrival_wait_seconds += seconds
+        self.arrival_wait_seconds_max = max(self.arrival_wait_seconds_max, seconds)
+        by_phase = self.arrival_wait_seconds_max_by_phase
+        for phase, part in behind.items():
+            by_phase[phase] = max(by_phase.get(phase, 0.0), part)
 
     def fault(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
@@ -99,9 +111,11 @@ class EngineCounters:
 
     def copy(self) -> EngineCounters:
         return EngineCounters(
-            **{name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("faults", "refusals")},
+            **{name: getattr(self, name) for name in self.__dataclass_fields__
+               if name not in ("faults", "refusals", "arrival_wait_seconds_max_by_phase")},
             faults=dict(self.faults),
             refusals=dict(self.refusals),
+            arrival_wait_seconds_max_by_phase=dict(self.arrival_wait_seconds_max_by_phase),
         )
 
 

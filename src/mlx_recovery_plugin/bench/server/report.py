@@ -122,6 +122,10 @@ def status_figures(status: dict[str, Any]) -> dict[str, Any]:
             out["arrival_waits"] = counters["arrival_waits"]
             out["arrival_wait_s"] = round(float(counters.get("arrival_wait_seconds") or 0.0), 4)
             out["arrival_wait_s_max"] = round(float(counters.get("arrival_wait_seconds_max") or 0.0), 4)
+            by_phase = counters.get("arrival_wait_seconds_max_by_phase") or {}
+            if by_phase:
+                # Per part of the idle step, the longest time a waiting request spent behind it.
+                out["arrival_wait_s_max_by_phase"] = {k: round(float(v), 4) for k, v in by_phase.items()}
         if counters.get("arrival_publications"):
             # Publications taken at a turn's arrival, and what they added to those turns.
             out["arrival_publications"] = counters["arrival_publications"]
