@@ -373,12 +373,12 @@ class EngineRecovery:
             self._sizer.learn(ran, spent, context)
             self._budget.charge(spent)
             self._budget.release_claim(self.engine_id)
-            waits = self._arrival_waits(arrivals, started)
+            waits = self._arrival_waits(arrivals)
             with self._lock:
                 self.counters.slice_seconds += spent
                 self.counters.slice_seconds_max = max(self.counters.slice_seconds_max, spent)
-                for wait, behind in waits:
-                    self.counters.waited(wait, behind)
+                for behind in waits:
+                    self.counters.waited(behind)
         if self._cancel.generation != generation:
             self._drop_everything("cancelled")
             return None
@@ -432,13 +432,13 @@ class EngineRecovery:
             return wait if math.isfinite(wait) and wait > 0 else RETRY_S
         return RETRY_S
 
-    def _arrival_waits(self, arrivals_before: int, started: float) -> list[tuple[float, dict[str, float]]]:
-        """Of each request that came in during the idle step that began at ``started``
-        (it then waited for the step's end), the seconds from its arrival to now, and
-        those seconds per part of the step that ran meanwhile."""
+    def _arrival_waits(self, arrivals_before: int) -> list[dict[str, float]]:
+        """Of each request that came in during the idle step now ending (it then waited
+        for the step's end), the seconds from its arrival, or the step's beginning, to
+        now, per part of the step that ran meanwhile."""
         _, times = self._arrivals_since(arrivals_before)
         now = self._clock()
-        return [(max(0.0, now - max(at, started)), self._phases.behind(at, now)) for at in times]
+        return [self._phases.behind(at, now) for at in times]
 
     def _run_slice(self, job: RecoveryJob, should_stop: Callable[[], bool]) -> tuple[int, int]:
         """Run one slice of ``job``; returns the tokens of a slice that ran whole (0 else)

@@ -7,7 +7,7 @@ thread, serialise as JSON, or print with ``mlx-recovery status``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -94,8 +94,10 @@ class EngineCounters:
     faults: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
 
-    def waited(self, seconds: float, behind: dict[str, float]) -> None:
-        """A request waited ``seconds`` for the end of an idle step, ``behind`` its parts."""
+    def waited(self, behind: dict[str, float]) -> None:
+        """A request waited for the end of an idle step: ``behind`` each of its parts, the
+        seconds of that part between its arrival and the step's end."""
+        seconds = sum(behind.values())
         self.arrival_waits += 1
         self.arrival_wait_seconds += seconds
         self.arrival_wait_seconds_max = max(self.arrival_wait_seconds_max, seconds)
@@ -110,13 +112,11 @@ class EngineCounters:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def copy(self) -> EngineCounters:
-        return EngineCounters(
-            **{name: getattr(self, name) for name in self.__dataclass_fields__
-               if name not in ("faults", "refusals", "arrival_wait_seconds_max_by_phase")},
-            faults=dict(self.faults),
-            refusals=dict(self.refusals),
-            arrival_wait_seconds_max_by_phase=dict(self.arrival_wait_seconds_max_by_phase),
-        )
+        # The dict fields are copied too, so the snapshot shares nothing with the counters.
+        dicts: dict[str, Any] = {
+            name: dict(value) for name in self.__dataclass_fields__ if isinstance(value := getattr(self, name), dict)
+        }
+        return replace(self, **dicts)
 
 
 @dataclass(slots=True, frozen=True)

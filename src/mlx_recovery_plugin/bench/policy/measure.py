@@ -141,18 +141,26 @@ class CellResult:
         drifts over a cell: on 2048x4 the truth's reruns took 13.6-13.8 s and the one
         after the turn 15.5 s, examples/policy-bench-close-shapes-12288-result.json),
         else the median of the truth's reruns and the one after."""
-        if self.sparse_before_s is not None and self.sparse_after_s is not None:
-            return self.recovery_turn_s / max((self.sparse_before_s + self.sparse_after_s) / 2.0, 1e-9)
-        around = self.sparse_rerun_s + ([self.sparse_after_s] if self.sparse_after_s is not None else [])
-        return self.recovery_turn_s / max(statistics.median(around), 1e-9)
+        around = self.sparse_around_s
+        if around is not None:
+            return self.recovery_turn_s / max(around, 1e-9)
+        reruns = self.sparse_rerun_s + ([self.sparse_after_s] if self.sparse_after_s is not None else [])
+        return self.recovery_turn_s / max(statistics.median(reruns), 1e-9)
+
+    @property
+    def sparse_around_s(self) -> float | None:
+        """The mean of the reruns right before and right after the turn with recovery
+        (None where either was not measured)."""
+        if self.sparse_before_s is None or self.sparse_after_s is None:
+            return None
+        return (self.sparse_before_s + self.sparse_after_s) / 2.0
 
     @property
     def drift(self) -> float | None:
         """The reruns around the turn against the truth's (1.0: the machine kept its speed
         over the cell; None where they were not measured)."""
-        if self.sparse_before_s is None or self.sparse_after_s is None:
-            return None
-        return (self.sparse_before_s + self.sparse_after_s) / 2.0 / max(self.sparse_s, 1e-9)
+        around = self.sparse_around_s
+        return None if around is None else around / max(self.sparse_s, 1e-9)
 
     @property
     def cost_s(self) -> float:
