@@ -562,6 +562,40 @@ def test_a_first_turn_carried_over_from_a_loaded_machine_counts_its_draft_readin
     assert decision.sparse_s == pytest.approx(fair * (16.0 - 5.2 + 5.2 * 600 / 8704) * 1.07, rel=0.03)
 
 
+def test_at_arrival_a_probe_may_go_out_on_a_sparse_cost_carried_down_to_a_quiet_machine() -> None:
+    """``bench policy``, 3584x3 at 10,240, loaded during the first turn: at the arrival the
+    whole prefix's dense append at the host's prior (1.2x the slices') read 0.905 of the
+    rerun carried down to the quiet machine, just short of the margin, and it was held, 2.33 s
+    of one turn lost, where the sparse rerun took 1.31x the host's dense append. A sparse
+    cost carried down to a quiet machine read 0.91-1.22x the truth: at arrival the probe
+    bets on it."""
+    from mlx_recovery_plugin.recovery.machine_load import Regime
+
+    judge, job = _first_turn_loaded_then_quiet(8.8, 5.2)
+    assert judge.regime is Regime.QUIET and not judge.status()["host_append_measured"]
+    decision = judge.judge(job, 8704, next_tokens=8704 + 600)
+    assert decision.verdict is Verdict.PUBLISH and decision.probes, decision.reason
+    assert judge.status()["sparse_carried_over"]["from"] == "busy"
+    # What the bet is: at the prior a few per cent either side of the carried rerun.
+    assert decision.dense_s is not None and decision.sparse_s is not None
+    assert 0.9 < decision.dense_s / decision.sparse_s <= PROBE_BAR_AT_ARRIVAL
+
+
+def test_a_probe_at_arrival_needs_a_sparse_cost_timed_here_or_carried_down() -> None:
+    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
+    dense = model.seconds(600, 9216)
+    assert dense is not None
+    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
+                              host_factor=1.2, measured=SparseSample(9816, 1.2 * dense), may_probe=True)
+    assert decide(model, **kw, length_known=True).probes  # timed in this regime
+    carried_up = decide(model, **kw, length_known=True, measured_here=False)
+    assert carried_up.verdict is Verdict.HOLD and not carried_up.probes, carried_up.reason
+    carried_down = decide(model, **kw, length_known=True, measured_here=False, carried_down=True)
+    assert carried_down.verdict is Verdict.PUBLISH and carried_down.probes, carried_down.reason
+    idle = decide(model, **kw, measured_here=False, carried_down=True)  # the length not known
+    assert idle.verdict is Verdict.HOLD and not idle.probes, idle.reason
+
+
 def test_a_turn_sent_as_a_load_ends_is_timed_in_the_regime_it_ran_in() -> None:
     """A build kept one core of two busy through the first gap and ended as the next turn
     was sent. The turn ran on a quiet machine: its sparse time is the quiet regime's, not

@@ -422,6 +422,7 @@ def decide(
     may_probe: bool = False,
     length_known: bool = False,
     whole_boundary: int | None = None,
+    carried_down: bool = False,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -441,10 +442,12 @@ def decide(
     holds back (the slices' own estimate pays by the margin) and that at the prior's
     expected cost is no slower than the sparse rerun is published; ``length_known`` (the
     next prompt has arrived): one that at the prior's expected cost is at most
-    :data:`PROBE_BAR_AT_ARRIVAL` times the rerun; either only on a sparse cost timed in
-    the current load regime (``measured_here``). ``whole_boundary``: the job's whole
-    prefix (None: ``full_boundary``); only a prefix that reaches it is published before
-    the costs are known (at a request ``full_boundary`` is what is held, however short)."""
+    :data:`PROBE_BAR_AT_ARRIVAL` times the rerun; either on a sparse cost timed in the
+    current load regime (``measured_here``), the one at arrival also on one
+    ``carried_down`` (timed with the machine busy, carried to it quiet). ``whole_boundary``:
+    the job's whole prefix (None: ``full_boundary``); only a prefix that reaches it is
+    published before the costs are known (at a request ``full_boundary`` is what is held,
+    however short)."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -517,10 +520,15 @@ def decide(
         )
     probe_pays = (dense.mid <= PROBE_BAR_AT_ARRIVAL * beat if length_known
                   else dense.mid <= beat and slices is not None and slices.high <= margin * beat)
-    # A probe bets one turn within a few per cent: on a sparse cost carried over from
-    # another load regime (0.80-1.29x the truth in bench policy's loaded cells), that bet
-    # is not known.
-    if may_probe and measured_here and dense.supported and slices is not None and probe_pays:
+    # A probe bets one turn within a few per cent, so only on a sparse cost whose error is
+    # known to be small. bench policy's nine cells loaded during the first turn (six
+    # shapes, 10,240 to 12,288 tokens): the cheapest rerun carried down to the quiet machine read
+    # 0.91-1.22x the sparse reruns timed around the turn, and the four whose verdict at
+    # arrival would have probed paid 1.24, 1.31, 0.96 and 1.01 (turns 0.76-1.04x of the
+    # sparse route's); 3584x3 was held at the prior for 2.33 s of one turn. Carried up to a
+    # loaded machine the same reading was 0.53-1.90x: no probe on that.
+    timed_for_probe = measured_here or (carried_down and length_known)
+    if may_probe and timed_for_probe and dense.supported and slices is not None and probe_pays:
         return Decision(
             Verdict.PUBLISH,
             f"full prefix, published to measure the host's dense append: {slices.mid:.2f} s at the slices' cost "

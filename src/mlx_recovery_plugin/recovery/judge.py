@@ -412,6 +412,7 @@ class PublishJudge:
             may_probe=may_probe,
             length_known=length_known,
             whole_boundary=job.publish_end(self.block_size),
+            carried_down=carried is not None and carried.regime is Regime.BUSY and self.regime is Regime.QUIET,
         )
 
     def _length_decides(self, job: RecoveryJob) -> bool:
