@@ -596,6 +596,26 @@ def test_a_probe_at_arrival_needs_a_sparse_cost_timed_here_or_carried_down() -> 
     assert idle.verdict is Verdict.HOLD and not idle.probes, idle.reason
 
 
+def test_a_whole_prefix_held_only_by_the_host_prior_is_not_settled() -> None:
+    """At the slices' own estimate the whole prefix pays by the margin, at the prior (1.2x)
+    it is too close to call: the host's first dense turn decides, and until it is measured
+    the hold is not one that more slices would leave unchanged. With the factor measured,
+    or where the slices alone do not pay by the margin, it is."""
+    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
+    dense = model.seconds(600, 9216)
+    assert dense is not None
+    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
+                              host_factor=1.2)
+    close = SparseSample(9816, dense / 0.85)  # the slices pay by 0.85, the prior reads 1.02
+    prior = decide(model, **kw, measured=close, host_measured=False)
+    assert prior.verdict is Verdict.HOLD and not prior.settled, prior.reason
+    assert "host's first dense turn" in prior.reason
+    measured = decide(model, **kw, measured=close)
+    assert measured.verdict is Verdict.HOLD and measured.settled, measured.reason
+    closer = decide(model, **kw, measured=SparseSample(9816, dense / 0.95), host_measured=False)
+    assert closer.verdict is Verdict.HOLD and closer.settled, closer.reason
+
+
 def test_a_turn_sent_as_a_load_ends_is_timed_in_the_regime_it_ran_in() -> None:
     """A build kept one core of two busy through the first gap and ended as the next turn
     was sent. The turn ran on a quiet machine: its sparse time is the quiet regime's, not

@@ -315,6 +315,35 @@ def test_a_whole_prefix_held_as_not_yet_clear_is_published_once_the_evidence_say
     assert rig.status()["jobs"] == []
 
 
+def test_a_job_held_back_by_the_host_prior_alone_runs_on_rather_than_pausing(rigs) -> None:
+    """W, a longer conversation, is run whole first: its slices are evidence past Y's whole
+    prefix. Y's conversation comes back 200 tokens longer and is served sparse again. At
+    the slices' own estimate its whole prefix pays by the margin; at the host's prior
+    (1.2x) it is "not yet clear". No host dense turn has measured the factor, and it is
+    that turn (a probe, any conversation's) that decides, not more slices: Y's job runs on
+    to its new end, where a hold on a measured factor pauses it (bench server, 3072x2,
+    three conversations: three such jobs paused left 44 s of idle time unused until the
+    probe went out)."""
+    rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
+    w = random_tokens(33, 2 * PROMPT)
+    rig.served(w, threshold=5000, prefill_s=60.0)
+    rig.idle(until=rig.clock() + 100.0)
+    y = random_tokens(30, PROMPT)
+    rig.served(y, threshold=5000, prefill_s=4.2)
+    rig.idle(until=rig.clock() + 100.0)
+    ran = rig.status()["counters"]["tokens_run"]
+    longer = y + random_tokens(32, 200)
+    rig.served(longer, threshold=5000, prefill_s=2.45)
+    rig.idle(until=rig.clock() + 100.0)
+    status = rig.status()
+    job = next(j for j in status["jobs"] if j["tokens"] == PROMPT + 200)
+    assert job["paused"] is None and job["held_tokens"] == 1152, repr((job, status["policy"]))
+    assert "the host's first dense turn" in status["policy"]["reason"]
+    assert status["counters"]["tokens_run"] == ran + 192
+    assert status["counters"]["jobs_paused"] == 0
+    assert rig.restorable(longer) == 0  # held, not published: the verdict is still the prior's
+
+
 def test_a_job_whose_whole_prefix_is_not_yet_clear_on_evidence_that_reaches_it_pauses(rigs) -> None:
     """Conversation X is run whole and held "not yet clear"; the host's own dense append of
     another turn at that context then tells the policy what such a turn costs (1.3x the

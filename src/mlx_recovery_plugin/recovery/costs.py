@@ -423,6 +423,7 @@ def decide(
     length_known: bool = False,
     whole_boundary: int | None = None,
     carried_down: bool = False,
+    host_measured: bool = True,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -444,7 +445,10 @@ def decide(
     next prompt has arrived): one that at the prior's expected cost is at most
     :data:`PROBE_BAR_AT_ARRIVAL` times the rerun; either on a sparse cost timed in the
     current load regime (``measured_here``), the one at arrival also on one
-    ``carried_down`` (timed with the machine busy, carried to it quiet). ``whole_boundary``:
+    ``carried_down`` (timed with the machine busy, carried to it quiet). ``host_measured``:
+    ``host_factor`` was measured on the host's own dense turns (False: it is the prior); a
+    whole prefix that only the prior holds back is not :attr:`Decision.settled`.
+    ``whole_boundary``:
     the job's whole prefix (None: ``full_boundary``); only a prefix that reaches it is
     published before the costs are known (at a request ``full_boundary`` is what is held,
     however short)."""
@@ -536,11 +540,18 @@ def decide(
             f"{beat:.2f} s",
             dense.mid, beat, probes=True,
         )
+    # Held by the prior alone (at the slices' own estimate the whole prefix publishes): what
+    # decides it is the host's first dense turn (a probe, any conversation's), not more
+    # slices, so the job runs on and is whole when that comes. Paused instead, three such
+    # jobs left 44 s of idle time unused until a probe went out (bench server, 3072x2,
+    # three conversations), and none was whole when the factor read 0.94.
+    prior_only = not host_measured and slices is not None and slices.mid <= margin * beat
     return Decision(
         Verdict.HOLD,
         f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {beat:.2f} s "
-        f"(latest {sparse:.2f} s) is not yet clear either way; held for more evidence",
+        f"(latest {sparse:.2f} s) is not yet clear either way; held for "
+        + ("the host's first dense turn (its cost is the prior's)" if prior_only else "more evidence"),
         dense.mid,
         sparse,
-        settled=dense.supported,
+        settled=dense.supported and not prior_only,
     )

@@ -413,6 +413,7 @@ class PublishJudge:
             length_known=length_known,
             whole_boundary=job.publish_end(self.block_size),
             carried_down=carried is not None and carried.regime is Regime.BUSY and self.regime is Regime.QUIET,
+            host_measured=self._host_append.measured > 0,
         )
 
     def _length_decides(self, job: RecoveryJob) -> bool:
