@@ -448,10 +448,9 @@ def decide(
     ``carried_down`` (timed with the machine busy, carried to it quiet). ``host_measured``:
     ``host_factor`` was measured on the host's own dense turns (False: it is the prior); a
     whole prefix that only the prior holds back is not :attr:`Decision.settled`.
-    ``whole_boundary``:
-    the job's whole prefix (None: ``full_boundary``); only a prefix that reaches it is
-    published before the costs are known (at a request ``full_boundary`` is what is held,
-    however short)."""
+    ``whole_boundary``: the job's whole prefix (None: ``full_boundary``); only a prefix
+    that reaches it is published before the costs are known (at a request
+    ``full_boundary`` is what is held, however short)."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -526,11 +525,13 @@ def decide(
                   else dense.mid <= beat and slices is not None and slices.high <= margin * beat)
     # A probe bets one turn within a few per cent, so only on a sparse cost whose error is
     # known to be small. bench policy's nine cells loaded during the first turn (six
-    # shapes, 10,240 to 12,288 tokens): the cheapest rerun carried down to the quiet machine read
-    # 0.91-1.22x the sparse reruns timed around the turn, and the four whose verdict at
-    # arrival would have probed paid 1.24, 1.31, 0.96 and 1.01 (turns 0.76-1.04x of the
-    # sparse route's); 3584x3 was held at the prior for 2.33 s of one turn. Carried up to a
-    # loaded machine the same reading was 0.53-1.90x: no probe on that.
+    # shapes, 10,240 to 12,288 tokens): the cheapest rerun carried down to the quiet
+    # machine read 0.91-1.22x the sparse reruns timed around the turn, and the four whose
+    # verdict at arrival would have probed paid 1.24, 1.31, 0.96 and 1.01 (turns
+    # 0.76-1.04x of the sparse route's); 3584x3 was held at the prior for 2.33 s of one
+    # turn. Carried up to a loaded machine the same reading was 0.53-1.90x: no probe on
+    # that. Five cells since, with the probe allowed so: three probes, next turns at most
+    # 0.96x the reruns around them.
     timed_for_probe = measured_here or (carried_down and length_known)
     if may_probe and timed_for_probe and dense.supported and slices is not None and probe_pays:
         return Decision(
