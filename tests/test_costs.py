@@ -562,6 +562,17 @@ def test_a_first_turn_carried_over_from_a_loaded_machine_counts_its_draft_readin
     assert decision.sparse_s == pytest.approx(fair * (16.0 - 5.2 + 5.2 * 600 / 8704) * 1.07, rel=0.03)
 
 
+def _whole_prefix_600_tokens_on(host_factor: float) -> tuple[DenseCostModel, float, dict[str, Any]]:
+    """Slices at 2 ms a token at any context (measured to 9,216), the next turn 600 tokens
+    over a whole 9,216-token prefix, and ``decide``'s arguments for it at ``host_factor``;
+    returns the model, the slices' cost of that append, and the arguments."""
+    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
+    dense = model.seconds(600, 9216)
+    assert dense is not None
+    return model, dense, dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
+                              host_factor=host_factor)
+
+
 def test_at_arrival_a_probe_may_go_out_on_a_sparse_cost_carried_down_to_a_quiet_machine() -> None:
     """``bench policy``, 3584x3 at 10,240, loaded during the first turn: at the arrival the
     whole prefix's dense append at the host's prior (1.2x the slices') read 0.905 of the
@@ -582,11 +593,8 @@ def test_at_arrival_a_probe_may_go_out_on_a_sparse_cost_carried_down_to_a_quiet_
 
 
 def test_a_probe_at_arrival_needs_a_sparse_cost_timed_here_or_carried_down() -> None:
-    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
-    dense = model.seconds(600, 9216)
-    assert dense is not None
-    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
-                              host_factor=1.2, measured=SparseSample(9816, 1.2 * dense), may_probe=True)
+    model, dense, kw = _whole_prefix_600_tokens_on(host_factor=1.2)
+    kw |= dict(measured=SparseSample(9816, 1.2 * dense), may_probe=True)
     assert decide(model, **kw, length_known=True).probes  # timed in this regime
     carried_up = decide(model, **kw, length_known=True, measured_here=False)
     assert carried_up.verdict is Verdict.HOLD and not carried_up.probes, carried_up.reason
@@ -601,11 +609,7 @@ def test_a_whole_prefix_held_only_by_the_host_prior_is_not_settled() -> None:
     it is too close to call: the host's first dense turn decides, and until it is measured
     the hold is not one that more slices would leave unchanged. With the factor measured,
     or where the slices alone do not pay by the margin, it is."""
-    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
-    dense = model.seconds(600, 9216)
-    assert dense is not None
-    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
-                              host_factor=1.2)
+    model, dense, kw = _whole_prefix_600_tokens_on(host_factor=1.2)
     close = SparseSample(9816, dense / 0.85)  # the slices pay by 0.85, the prior reads 1.02
     prior = decide(model, **kw, measured=close, host_measured=False)
     assert prior.verdict is Verdict.HOLD and not prior.settled, prior.reason
@@ -849,11 +853,7 @@ def test_a_probe_is_taken_only_where_the_prior_alone_holds_a_whole_prefix_back()
     that is 0.98: held as a close call, or published to measure the host where the judge
     allows a probe. Not where at the prior it is slower than the rerun, nor for a partial
     prefix, nor where the slices themselves do not pay by the margin."""
-    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
-    dense = model.seconds(600, 9216)
-    assert dense is not None
-    kw: dict[str, Any] = dict(boundary=9216, full_boundary=9216, next_tokens=9816, threshold=8192, keep=1.0,
-                              host_factor=1.3)
+    model, dense, kw = _whole_prefix_600_tokens_on(host_factor=1.3)
     close = SparseSample(9816, dense / 0.75)
     assert decide(model, **kw, measured=close).verdict is Verdict.HOLD
     probe = decide(model, **kw, measured=close, may_probe=True)
