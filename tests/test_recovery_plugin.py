@@ -484,6 +484,30 @@ def test_a_dense_turn_of_a_known_conversation_teaches_when_conversations_come_ba
     assert [job["due_in_s"] for job in rig.engine_status()["jobs"]] == [pytest.approx(30.0)]
 
 
+def test_status_tells_how_long_each_jobs_rest_takes_at_the_budget(make_rig) -> None:
+    """Beside ``due_in_s``, ``work_left_s`` says whether the idle time keeps up: unknown
+    before a dense cost is known, then the rest of each job at 1 ms a token and the 50 %
+    budget (0.77 s for 384 tokens), less after a slice of the job due back first."""
+    rig = make_rig(host_clock=TickingClock())
+    rig.serve("e", random_tokens(59, 330))
+    assert [job["work_left_s"] for job in rig.engine_status()["jobs"]] == [None]
+    rig = make_rig(host_clock=TickingClock())
+    prompts = _conversations_with_a_known_gap(rig, {"b": 10.0})
+    jobs = rig.engine_status()["jobs"]
+    assert len(jobs) == 2
+    for job in jobs:
+        assert job["publish_end"] == 384
+        assert job["work_left_s"] == pytest.approx(2 * 0.001 * 384, rel=1e-3)
+    rig.host.drive_idle(max_steps=3)
+    assert rig.begun[0][0][:100] == tuple(prompts["a"][:100])
+    first, last = sorted(rig.engine_status()["jobs"], key=lambda job: job["due_in_s"])
+    done = first["committed"] + first["held_tokens"]
+    assert 0 < done <= 384 and last["committed"] + last["held_tokens"] == 0
+    costs = rig.plugin._engines["e"].judge.costs
+    assert first["work_left_s"] == pytest.approx(2 * costs.seconds(384 - done, done), rel=1e-3)
+    assert first["work_left_s"] < last["work_left_s"]
+
+
 def test_a_job_that_cannot_finish_before_its_conversation_is_back_yields_to_one_that_can(make_rig) -> None:
     """A is due back in 0.5 s and needs 0.77: C, due in 5.5 s, goes first (not B, served
     last and due last)."""

@@ -227,7 +227,7 @@ def test_status_figures_carry_policy_fields_and_a_missing_total_is_an_error() ->
 def test_status_figures_carry_each_jobs_progress_and_when_it_is_due_back() -> None:
     job = {"job_id": 3, "tokens": 9499, "committed": 0, "target_end": 9499, "publish_end": 9472, "debt": 9499,
            "attempts": 0, "parked_for_s": None, "tokens_recovered": 0, "held_tokens": 5376, "stood_down": None,
-           "paused": None, "due_in_s": -2.5}
+           "paused": None, "due_in_s": -2.5, "work_left_s": 7.25}
     status = {"process": {"tokens_recovered": 0},
               "engines": {"e": {"jobs": [job], "stop_grain": 64, "counters": {
                   "slices_interrupted": 4, "arrival_waits": 4, "arrival_wait_seconds": 0.61234,
@@ -239,7 +239,7 @@ def test_status_figures_carry_each_jobs_progress_and_when_it_is_due_back() -> No
     assert figures["stop_grain"] == 64, "the passes of the last slice, where an arrival waited"
     assert (figures["arrival_waits"], figures["arrival_wait_s"], figures["arrival_wait_s_max"]) == (4, 0.6123, 0.25)
     assert figures["jobs"] == [{"job_id": 3, "committed": 0, "held_tokens": 5376, "publish_end": 9472,
-                                "due_in_s": -2.5, "paused": None, "stood_down": None}]
+                                "due_in_s": -2.5, "work_left_s": 7.25, "paused": None, "stood_down": None}]
     assert figures["slices_interrupted"] == 4
     assert figures["attention_probes"] == 2
 

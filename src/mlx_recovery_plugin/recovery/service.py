@@ -305,7 +305,8 @@ class EngineRecovery:
     def snapshot(self) -> EngineStatus:
         now = self._clock()
         with self._lock:
-            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id)) for job in self.book)
+            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id), self._work_s(job))
+                         for job in self.book)
             live_job = self._live.job
             return EngineStatus(
                 engine_id=self.engine_id,

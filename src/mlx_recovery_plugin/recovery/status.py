@@ -33,11 +33,17 @@ class JobStatus:
     #: Seconds until the conversation is expected back (negative: it is late); None
     #: before a gap between two turns was seen (:mod:`.returns`).
     due_in_s: float | None = None
+    #: Wall seconds the rest of the job takes at the budget's share, by the dense cost
+    #: model the order of the jobs goes by; None while that cost is not known. Beside
+    #: ``due_in_s`` it says whether the idle time keeps up: a job whose work outlasts its
+    #: conversation's return is not whole for that turn.
+    work_left_s: float | None = None
 
     @classmethod
-    def of(cls, job: RecoveryJob, block_size: int, now: float, due: float | None = None) -> JobStatus:
+    def of(cls, job: RecoveryJob, block_size: int, now: float, due: float | None = None,
+           work_left_s: float | None = None) -> JobStatus:
         """A copy of ``job``'s figures (under the lock that guards the job); ``due``: when
-        its conversation is expected back."""
+        its conversation is expected back; ``work_left_s``: see the field."""
         return cls(
             job_id=job.job_id,
             tokens=len(job.tokens),
@@ -52,6 +58,7 @@ class JobStatus:
             stood_down=job.stood_down,
             paused=job.paused,
             due_in_s=None if due is None else round(due - now, 3),
+            work_left_s=None if work_left_s is None else round(work_left_s, 3),
         )
 
 

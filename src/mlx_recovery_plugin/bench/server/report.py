@@ -29,7 +29,7 @@ BEST = "best_reachable"
 # Status fields worth a line in the report; any per-engine field about the publish
 # policy or a stand-down is added as it comes.
 _ENGINE_KEYS = ("policy", "stand", "reason", "refusal", "stop_grain")
-_JOB_KEYS = ("job_id", "committed", "held_tokens", "publish_end", "due_in_s", "paused", "stood_down")
+_JOB_KEYS = ("job_id", "committed", "held_tokens", "publish_end", "due_in_s", "work_left_s", "paused", "stood_down")
 
 
 @dataclass(slots=True)
