@@ -484,6 +484,11 @@ def test_a_dense_turn_of_a_known_conversation_teaches_when_conversations_come_ba
     assert [job["due_in_s"] for job in rig.engine_status()["jobs"]] == [pytest.approx(30.0)]
 
 
+class _Untouchable:
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"read {name} of the live cost model")
+
+
 def test_status_tells_how_long_each_jobs_rest_takes_at_the_budget(make_rig) -> None:
     """Beside ``due_in_s``, ``work_left_s`` says whether the idle time keeps up: unknown
     before a dense cost is known, then the rest of each job at 1 ms a token and the 50 %
@@ -493,7 +498,14 @@ def test_status_tells_how_long_each_jobs_rest_takes_at_the_budget(make_rig) -> N
     assert [job["work_left_s"] for job in rig.engine_status()["jobs"]] == [None]
     rig = make_rig(host_clock=TickingClock())
     prompts = _conversations_with_a_known_gap(rig, {"b": 10.0})
-    jobs = rig.engine_status()["jobs"]
+    # The status is read on any thread: it goes by the judge's copy of the fit, never
+    # the cost model, which the engine thread changes without the lock.
+    judge = rig.plugin._engines["e"].judge
+    live, judge.costs = judge.costs, _Untouchable()
+    try:
+        jobs = rig.engine_status()["jobs"]
+    finally:
+        judge.costs = live
     assert len(jobs) == 2
     for job in jobs:
         assert job["publish_end"] == 384
@@ -503,8 +515,7 @@ def test_status_tells_how_long_each_jobs_rest_takes_at_the_budget(make_rig) -> N
     first, last = sorted(rig.engine_status()["jobs"], key=lambda job: job["due_in_s"])
     done = first["committed"] + first["held_tokens"]
     assert 0 < done <= 384 and last["committed"] + last["held_tokens"] == 0
-    costs = rig.plugin._engines["e"].judge.costs
-    assert first["work_left_s"] == pytest.approx(2 * costs.seconds(384 - done, done), rel=1e-3)
+    assert first["work_left_s"] == pytest.approx(2 * judge.costs.seconds(384 - done, done), rel=1e-3)
     assert first["work_left_s"] < last["work_left_s"]
 
 

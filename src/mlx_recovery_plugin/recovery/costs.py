@@ -292,7 +292,7 @@ class DenseCostModel:
         coefficients = self.coefficients()
         if coefficients is None:
             return None
-        return _pass_seconds(coefficients, tokens, context)
+        return pass_seconds(coefficients, tokens, context)
 
     def scatter(self) -> float:
         """The bands' relative scatter around the fit (at least :data:`MIN_SCATTER`)."""
@@ -311,7 +311,7 @@ class DenseCostModel:
         if tokens <= 0:
             return Estimate(0.0, 0.0, 0.0, True)
         a, b = coefficients
-        mid = _pass_seconds(coefficients, tokens, context)
+        mid = pass_seconds(coefficients, tokens, context)
         spread = 2.0 * self.scatter()
         top = self.support
         if context + tokens / 2.0 <= SUPPORT_REACH * top:
@@ -357,7 +357,9 @@ def _scaled(estimate: Estimate, factor: float) -> Estimate:
     return Estimate(estimate.low * factor, estimate.mid * factor, estimate.high * factor, estimate.supported)
 
 
-def _pass_seconds(coefficients: tuple[float, float], tokens: int, context: int) -> float:
+def pass_seconds(coefficients: tuple[float, float], tokens: int, context: int) -> float:
+    """Seconds of a dense pass of ``tokens`` over ``context`` cached ones at the fit
+    ``coefficients`` (``(a, b)`` of :meth:`DenseCostModel.coefficients`)."""
     if tokens <= 0:
         return 0.0
     a, b = coefficients

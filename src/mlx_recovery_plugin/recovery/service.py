@@ -39,7 +39,7 @@ from ..settings import RecoverySettings, env_name
 from ..state import BlockState
 from .budget import Budget
 from .cancellation import Cancellation
-from .costs import Verdict
+from .costs import Verdict, pass_seconds
 from .host_refusal import HostRefusalWatch
 from .jobs import JobBook, RecoveryJob, Relation, common_prefix_len
 from .judge import PublishJudge
@@ -305,8 +305,10 @@ class EngineRecovery:
     def snapshot(self) -> EngineStatus:
         now = self._clock()
         with self._lock:
-            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id), self._work_s(job))
-                         for job in self.book)
+            policy = dict(self.judge.status())
+            fit = _fit_in(policy)
+            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id),
+                                      None if fit is None else self._work_s(job, fit)) for job in self.book)
             live_job = self._live.job
             return EngineStatus(
                 engine_id=self.engine_id,
@@ -319,7 +321,7 @@ class EngineRecovery:
                 live_offset=self._live.offset,
                 last_refusal=self.last_refusal,
                 counters=self.counters.copy(),
-                policy=dict(self.judge.status()),
+                policy=policy,
                 unreleased_holders=self._ledger.pending,
                 host_refuses=self.host_refuses,
                 held_bound_mib=self._max_held_bytes / 2**20,
@@ -643,11 +645,17 @@ class EngineRecovery:
                 best, best_saving = job, saving
         return best
 
-    def _work_s(self, job: RecoveryJob) -> float | None:
-        """Wall seconds the rest of ``job`` takes at the budget's share (None while the
-        dense cost is not known)."""
+    def _work_s(self, job: RecoveryJob, fit: tuple[float, float] | None = None) -> float | None:
+        """Under ``_lock``: wall seconds the rest of ``job`` takes at the budget's share
+        (None while the dense cost is not known). ``fit``: the dense cost's coefficients as
+        the judge's status copied them, for a reader on any thread (the cost model itself
+        is the engine thread's); without it, the live model (engine thread only)."""
         frontier = job.frontier(self.block_size)
-        seconds = self.judge.costs.seconds(max(0, job.publish_end(self.block_size) - frontier), frontier)
+        tokens = max(0, job.publish_end(self.block_size) - frontier)
+        if fit is None:
+            seconds = self.judge.costs.seconds(tokens, frontier)
+        else:
+            seconds = pass_seconds(fit, tokens, frontier)
         share = self._budget.pct / 100.0
         return None if seconds is None or share <= 0 else seconds / share
 
@@ -825,6 +833,14 @@ class EngineRecovery:
     def _count_fault(self, kind: FaultKind) -> None:
         with self._lock:
             self.counters.fault(kind.value)
+
+
+def _fit_in(policy: dict[str, object]) -> tuple[float, float] | None:
+    """The dense cost's coefficients in a copy of the judge's status (None: not fitted)."""
+    a, b = policy.get("dense_s_per_token"), policy.get("dense_s_per_token_per_context")
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a), float(b)
+    return None
 
 
 def _sooner(wait: float | None, seconds: float) -> float:
