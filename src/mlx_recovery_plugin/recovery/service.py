@@ -51,7 +51,7 @@ from .publication import PublicationError, publish
 from .returns import ReturnTimes, due_first
 from .runnable import RunnableGate, held_memory_bound, machine_memory_bytes
 from .slice_size import SliceSizer
-from .status import EngineCounters, EngineStatus, JobStatus
+from .status import EngineCounters, EngineStatus, JobStatus, dense_fit
 from .step_phases import PROBE, SETTLE, SLICE, START, VERDICT, StepPhases
 
 if TYPE_CHECKING:
@@ -306,9 +306,10 @@ class EngineRecovery:
         now = self._clock()
         with self._lock:
             policy = dict(self.judge.status())
-            fit = _fit_in(policy)
-            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id),
-                                      None if fit is None else self._work_s(job, fit)) for job in self.book)
+            # The judge's copy of the fit: the cost model itself is the engine thread's.
+            fit = dense_fit(policy)
+            jobs = tuple(JobStatus.of(job, self.block_size, now, self._returns.due(job.job_id), self._work_s(job, fit))
+                         for job in self.book)
             live_job = self._live.job
             return EngineStatus(
                 engine_id=self.engine_id,
@@ -631,7 +632,9 @@ class EngineRecovery:
         if not candidates:
             return None
         if DUE_FIRST:
-            due = due_first(candidates, now=now, due=lambda job: self._returns.due(job.job_id), work_s=self._work_s)
+            fit = self.judge.costs.coefficients()
+            due = due_first(candidates, now=now, due=lambda job: self._returns.due(job.job_id),
+                            work_s=lambda job: self._work_s(job, fit))
             if due is not None:
                 return due
         in_hand = self._in_hand if FINISH_IN_HAND else None
@@ -645,19 +648,15 @@ class EngineRecovery:
                 best, best_saving = job, saving
         return best
 
-    def _work_s(self, job: RecoveryJob, fit: tuple[float, float] | None = None) -> float | None:
-        """Under ``_lock``: wall seconds the rest of ``job`` takes at the budget's share
-        (None while the dense cost is not known). ``fit``: the dense cost's coefficients as
-        the judge's status copied them, for a reader on any thread (the cost model itself
-        is the engine thread's); without it, the live model (engine thread only)."""
-        frontier = job.frontier(self.block_size)
-        tokens = max(0, job.publish_end(self.block_size) - frontier)
+    def _work_s(self, job: RecoveryJob, fit: tuple[float, float] | None) -> float | None:
+        """Under ``_lock``: wall seconds the rest of ``job`` takes at the budget's share, at
+        the dense cost's coefficients ``fit`` (None while no cost is fitted)."""
         if fit is None:
-            seconds = self.judge.costs.seconds(tokens, frontier)
-        else:
-            seconds = pass_seconds(fit, tokens, frontier)
+            return None
+        frontier = job.frontier(self.block_size)
+        seconds = pass_seconds(fit, max(0, job.publish_end(self.block_size) - frontier), frontier)
         share = self._budget.pct / 100.0
-        return None if seconds is None or share <= 0 else seconds / share
+        return None if share <= 0 else seconds / share
 
     def _reopen_stood_down(self) -> bool:
         """Under ``_lock``: jobs stood down on evidence the cost model has since outgrown
@@ -833,14 +832,6 @@ class EngineRecovery:
     def _count_fault(self, kind: FaultKind) -> None:
         with self._lock:
             self.counters.fault(kind.value)
-
-
-def _fit_in(policy: dict[str, object]) -> tuple[float, float] | None:
-    """The dense cost's coefficients in a copy of the judge's status (None: not fitted)."""
-    a, b = policy.get("dense_s_per_token"), policy.get("dense_s_per_token_per_context")
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a), float(b)
-    return None
 
 
 def _sooner(wait: float | None, seconds: float) -> float:

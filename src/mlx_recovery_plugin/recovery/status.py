@@ -7,6 +7,7 @@ thread, serialise as JSON, or print with ``mlx-recovery status``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,15 @@ if TYPE_CHECKING:
     from .jobs import RecoveryJob
 
 COUNTER_PREFIX = "mlx_recovery_"
+
+
+def dense_fit(policy: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The dense cost's coefficients ``(a, b)`` as a publish policy's status reports them
+    (``dense_s_per_token``, ``dense_s_per_token_per_context``); None where none is fitted."""
+    a, b = policy.get("dense_s_per_token"), policy.get("dense_s_per_token_per_context")
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a), float(b)
+    return None
 
 
 @dataclass(slots=True, frozen=True)

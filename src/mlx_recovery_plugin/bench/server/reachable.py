@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...recovery.status import dense_fit
+
 if TYPE_CHECKING:
     from .report import ArmRun
 
@@ -90,9 +92,10 @@ def runner_rate(rec: ArmRun, prompt: int) -> float | None:
     policy = status.get("policy") if isinstance(status.get("policy"), dict) else None
     if policy is None or prompt <= 0:
         return None
-    a, b = policy.get("dense_s_per_token"), policy.get("dense_s_per_token_per_context")
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+    fit = dense_fit(policy)
+    if fit is None:
         return None
+    a, b = fit
     per_token = a + b * prompt / 2.0
     return 1.0 / per_token if per_token > 0 else None
 
