@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...recovery.costs import pass_seconds
 from ...recovery.status import dense_fit
 
 if TYPE_CHECKING:
@@ -95,9 +96,8 @@ def runner_rate(rec: ArmRun, prompt: int) -> float | None:
     fit = dense_fit(policy)
     if fit is None:
         return None
-    a, b = fit
-    per_token = a + b * prompt / 2.0
-    return 1.0 / per_token if per_token > 0 else None
+    seconds = pass_seconds(fit, prompt, 0)
+    return prompt / seconds if seconds > 0 else None
 
 
 def _sent_order(rec: ArmRun, reached: list[bool]) -> list[int]:
