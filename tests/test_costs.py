@@ -962,22 +962,24 @@ def test_the_doors_rereading_of_a_prompt_is_learned_from_the_hosts_reruns_and_we
 def test_the_judge_probes_a_close_call_at_the_arrival_that_it_holds_in_idle_time() -> None:
     """The same whole prefix and the same next length, 4 % over the sparse rerun at the
     prior: held in idle time (the length is a guess there), published as the probe when
-    the prompt has arrived; after one host turn has measured the factor, no more probes."""
+    the prompt has arrived; after one host turn has measured the factor, no more probes.
+    The prompt leaves half a block uncached, as a later turn does on average, so the turns
+    the probe commits cost what it does."""
     from mlx_recovery_plugin.recovery.jobs import RecoveryJob
 
     judge = PublishJudge(PublishPolicy.AUTO, 256)
     for context in range(0, 9216, 1024):
         judge.observe(context, 1024, 1024 * 2e-3)
-    job = RecoveryJob(1, tuple(range(9216)), 9216)
-    judge.note_route(job, _sparse_turn(9216, 1.0, "a1"), appended=None, now=0.0)
+    job = RecoveryJob(1, tuple(range(9344)), 9344)
+    judge.note_route(job, _sparse_turn(9344, 1.5, "a1"), appended=None, now=0.0)
     ratio = judge.judge(job, 9216)
     assert ratio.dense_s is not None and ratio.sparse_s is not None
     # Re-time the sparse turn so that at the prior the dense append is 1.04x its rerun.
-    judge.note_route(job, _sparse_turn(9216, ratio.dense_s / ratio.sparse_s / 1.04, "a1"), appended=None, now=0.0)
+    judge.note_route(job, _sparse_turn(9344, 1.5 * ratio.dense_s / ratio.sparse_s / 1.04, "a1"), appended=None, now=0.0)
     idle = judge.judge(job, 9216)
     assert idle.verdict is Verdict.HOLD and "not yet clear" in idle.reason
     assert idle.dense_s == pytest.approx(1.04 * idle.sparse_s, rel=0.01)
-    arrived = judge.judge(job, 9216, next_tokens=9216 + DEFAULT_APPEND_TOKENS)
+    arrived = judge.judge(job, 9216, next_tokens=9344 + DEFAULT_APPEND_TOKENS)
     assert arrived.verdict is Verdict.PUBLISH and arrived.probes, arrived.reason
     assert judge.status()["host_probe"]["taken"] == 1
 
@@ -1042,3 +1044,47 @@ def test_attention_is_not_timed_while_other_processes_load_the_machine() -> None
     assert judge.attention_wanted(job) is None
     counters.advance(5.0, others=0.0)
     assert judge.attention_wanted(job) == 9816 and judge.regime.value == "quiet"
+
+
+def _flat_prefix(growth: int, ratio: float, host_factor: float = 1.0) -> tuple[DenseCostModel, dict[str, Any]]:
+    """Slices at 2 ms a token at any context, a whole 9,216-token prompt (no block tail),
+    the next turn ``growth`` tokens on, its sparse rerun timed so that the next turn's
+    dense append at ``host_factor`` is ``ratio`` of it; ``decide``'s arguments."""
+    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
+    dense = model.seconds(growth, 9216)
+    assert dense is not None
+    sparse = SparseSample(9216 + growth, host_factor * dense / ratio)
+    return model, dict(boundary=9216, full_boundary=9216, next_tokens=9216 + growth, threshold=8192, keep=1.0,
+                       measured=sparse, host_factor=host_factor, growth=growth, block_size=256)
+
+
+def test_a_publication_weighs_the_later_turns_it_commits_to_the_dense_route() -> None:
+    """The host caches a dense turn to its last whole block, so a published conversation's
+    later turns append their growth plus half a block on average, where this next turn,
+    its prompt ending on a block, appends its growth alone: at 300 tokens a turn that is
+    1.43x the next turn's append, and a next turn at 0.8 of its sparse rerun means later
+    turns at 1.1: held, saying so. Weighed at one turn (no block size) it would publish;
+    at 2,000 tokens a turn the tail is small beside the growth and it publishes."""
+    model, kw = _flat_prefix(300, 0.8)
+    held = decide(model, **kw)
+    assert held.verdict is Verdict.HOLD and "later turns are dense too" in held.reason, held.reason
+    assert decide(model, **(kw | {"block_size": 0})).verdict is Verdict.PUBLISH
+    model, kw = _flat_prefix(2000, 0.8)
+    assert decide(model, **kw).verdict is Verdict.PUBLISH
+    # Later turns whose uncached part passes the host's threshold stay sparse: not weighed.
+    model, kw = _flat_prefix(300, 0.8)
+    assert decide(model, **(kw | {"threshold": 400})).verdict is Verdict.PUBLISH
+
+
+def test_a_probe_commits_only_later_turns_that_pay_at_the_slices_own_cost() -> None:
+    """At the arrival the next turn reads 1.02 of its rerun at the host's prior (0.85 at the
+    slices' cost): a probe. Where a turn grows by 300 and the prompt ends on a block, its
+    later turns would read 1.18 of theirs even at the slices' cost: no probe."""
+    probe: dict[str, Any] = dict(may_probe=True, length_known=True, host_measured=False)
+    model, kw = _flat_prefix(2000, 1.02, host_factor=HOST_APPEND_PRIOR)
+    taken = decide(model, **kw, **probe)
+    assert taken.verdict is Verdict.PUBLISH and taken.probes, taken.reason
+    model, kw = _flat_prefix(300, 1.02, host_factor=HOST_APPEND_PRIOR)
+    held = decide(model, **kw, **probe)
+    assert held.verdict is Verdict.HOLD and not held.probes and "later turns are dense too" in held.reason
+    assert decide(model, **(kw | {"block_size": 0}), **probe).probes

@@ -408,6 +408,46 @@ def sparse_rerun_seconds(
     return measured.seconds * estimate / at_sample
 
 
+@dataclass(frozen=True)
+class LaterTurn:
+    """A published conversation's turn after next, on each route: ``dense_s`` at the
+    slices' cost (a verdict scales it by the host's factor), ``sparse_s`` the cheaper of
+    the reruns the latest and the cheapest recent sparse turn imply."""
+
+    dense_s: float
+    sparse_s: float
+
+
+def later_turn(
+    model: DenseCostModel,
+    *,
+    next_tokens: int,
+    growth: int,
+    block_size: int,
+    threshold: int | None,
+    keep: float,
+    measured: SparseSample | None,
+    cheapest: SparseSample | None,
+) -> LaterTurn | None:
+    """The turn after next of a conversation whose prefix is published: the host caches a
+    dense turn's prompt to its last whole block, so each later turn appends its growth
+    plus the tail the block left uncached the turn before, half a block on average, where
+    the next turn's tail is whatever its prompt left (from none to a block less one). None
+    where it cannot be told or stays sparse (its uncached part over ``threshold``)."""
+    if growth <= 0 or block_size <= 0:
+        return None
+    tokens = growth + block_size // 2
+    if threshold is not None and tokens > threshold:
+        return None
+    prompt = next_tokens + growth
+    dense = model.estimate(tokens, prompt - tokens)
+    sparse = sparse_rerun_seconds(model, prompt, keep, measured)
+    if dense is None or sparse is None:
+        return None
+    floor = sparse_rerun_seconds(model, prompt, keep, cheapest) if cheapest is not None else None
+    return LaterTurn(dense.mid, sparse if floor is None else min(sparse, floor))
+
+
 def decide(
     model: DenseCostModel,
     *,
@@ -426,6 +466,8 @@ def decide(
     whole_boundary: int | None = None,
     carried_down: bool = False,
     host_measured: bool = True,
+    growth: int = 0,
+    block_size: int = 0,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -452,7 +494,10 @@ def decide(
     whole prefix that only the prior holds back is not :attr:`Decision.settled`.
     ``whole_boundary``: the job's whole prefix (None: ``full_boundary``); only a prefix
     that reaches it is published before the costs are known (at a request
-    ``full_boundary`` is what is held, however short)."""
+    ``full_boundary`` is what is held, however short). ``growth`` (the conversation's
+    growth a turn) and ``block_size`` (the host's block): a publication commits the
+    conversation's later turns to the dense route too (:func:`later_turn`), so a
+    publication judged once the costs are known must pay there as well."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -474,7 +519,16 @@ def decide(
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")
         return Decision(Verdict.HOLD, "learning the dense cost before a partial prefix is published")
     host = "" if host_factor == 1.0 else f", the host's: {host_factor:.2f}x the slices'"
-    if dense.high <= margin * beat:
+    later = later_turn(model, next_tokens=next_tokens, growth=growth, block_size=block_size, threshold=threshold,
+                       keep=keep, measured=measured, cheapest=cheapest)
+
+    def commits(bar: float, factor: float = host_factor) -> bool:
+        return later is None or later.dense_s * factor <= bar * later.sparse_s
+
+    later_why = "" if commits(margin) or later is None else (
+        f"; once published its later turns are dense too: the turn after next "
+        f"{later.dense_s * host_factor:.2f} s against sparse {later.sparse_s:.2f} s")
+    if dense.high <= margin * beat and commits(margin):
         return Decision(
             Verdict.PUBLISH, f"dense append {dense.mid:.2f} s (at most {dense.high:.2f}{host}) < sparse rerun "
             f"{beat:.2f} s", dense.mid, beat,
@@ -515,9 +569,9 @@ def decide(
             f"sparse ({sparse:.2f} s)" if dense.supported else
             f"would make the next turn dense over {boundary} tokens, beyond what was measured"
         )
-        return Decision(Verdict.HOLD, f"a {boundary}-token prefix {why}; holding until {full_boundary}",
+        return Decision(Verdict.HOLD, f"a {boundary}-token prefix {why}; holding until {full_boundary}{later_why}",
                         dense.mid, sparse)
-    if dense.mid <= margin * beat:
+    if dense.mid <= margin * beat and commits(margin):
         return Decision(
             Verdict.PUBLISH, f"full prefix: dense append expected {dense.mid:.2f} s{host and ' (' + host[2:] + ')'} "
             f"< sparse rerun {beat:.2f} s",
@@ -535,7 +589,12 @@ def decide(
     # that. Five cells since, with the probe allowed so: three probes, next turns at most
     # 0.96x the reruns around them.
     timed_for_probe = measured_here or (carried_down and length_known)
-    if may_probe and timed_for_probe and dense.supported and slices is not None and probe_pays:
+    # The turns a probe commits must not lose at the slices' own cost: at the prior they
+    # are what the probe is there to find out (bench policy, 3584x3: held at the prior,
+    # the host's dense append was 0.76 of the rerun, its later turns' 1.21x longer
+    # appends pay too), and the factor it measures then holds back the others.
+    probe_commits = commits(1.0, 1.0)
+    if may_probe and timed_for_probe and dense.supported and slices is not None and probe_pays and probe_commits:
         return Decision(
             Verdict.PUBLISH,
             f"full prefix, published to measure the host's dense append: {slices.mid:.2f} s at the slices' cost "
@@ -548,12 +607,14 @@ def decide(
     # slices, so the job runs on and is whole when that comes. Paused instead, three such
     # jobs left 44 s of idle time unused until a probe went out (bench server, 3072x2,
     # three conversations), and none was whole when the factor read 0.94.
-    prior_only = not host_measured and slices is not None and slices.mid <= margin * beat
+    prior_only = (not host_measured and slices is not None and slices.mid <= margin * beat
+                  and commits(margin, 1.0))
     return Decision(
         Verdict.HOLD,
         f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {beat:.2f} s "
         f"(latest {sparse:.2f} s) is not yet clear either way; held for "
-        + ("the host's first dense turn (its cost is the prior's)" if prior_only else "more evidence"),
+        + ("the host's first dense turn (its cost is the prior's)" if prior_only else "more evidence")
+        + later_why,
         dense.mid,
         sparse,
         settled=dense.supported and not prior_only,

@@ -414,6 +414,8 @@ class PublishJudge:
             whole_boundary=job.publish_end(self.block_size),
             carried_down=carried is not None and carried.regime is Regime.BUSY and self.regime is Regime.QUIET,
             host_measured=self._host_append.measured > 0,
+            growth=appended,
+            block_size=self.block_size,
         )
 
     def _length_decides(self, job: RecoveryJob) -> bool:
