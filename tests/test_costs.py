@@ -17,6 +17,7 @@ from mlx_recovery_plugin.recovery.costs import (
     SparseSample,
     Verdict,
     decide,
+    later_turn,
     sparse_rerun_seconds,
 )
 from mlx_recovery_plugin.recovery.judge import PublishJudge
@@ -1046,16 +1047,21 @@ def test_attention_is_not_timed_while_other_processes_load_the_machine() -> None
     assert judge.attention_wanted(job) == 9816 and judge.regime.value == "quiet"
 
 
-def _flat_prefix(growth: int, ratio: float, host_factor: float = 1.0) -> tuple[DenseCostModel, dict[str, Any]]:
-    """Slices at 2 ms a token at any context, a whole 9,216-token prompt (no block tail),
-    the next turn ``growth`` tokens on, its sparse rerun timed so that the next turn's
-    dense append at ``host_factor`` is ``ratio`` of it; ``decide``'s arguments."""
+def _flat_prefix(
+    growth: int, ratio: float, host_factor: float = 1.0, threshold: int = 8192,
+) -> tuple[DenseCostModel, dict[str, Any]]:
+    """Slices at 2 ms a token at any context, a whole 9,216-token prompt (no block tail)
+    on a host of 256-token blocks, the next turn ``growth`` tokens on, its sparse rerun
+    timed so that the next turn's dense append at ``host_factor`` is ``ratio`` of it;
+    ``decide``'s arguments, the turn after next among them."""
     model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
     dense = model.seconds(growth, 9216)
     assert dense is not None
     sparse = SparseSample(9216 + growth, host_factor * dense / ratio)
-    return model, dict(boundary=9216, full_boundary=9216, next_tokens=9216 + growth, threshold=8192, keep=1.0,
-                       measured=sparse, host_factor=host_factor, growth=growth, block_size=256)
+    later = later_turn(model, next_tokens=9216 + growth, growth=growth, block_size=256, threshold=threshold,
+                       keep=1.0, measured=sparse, cheapest=None)
+    return model, dict(boundary=9216, full_boundary=9216, next_tokens=9216 + growth, threshold=threshold, keep=1.0,
+                       measured=sparse, host_factor=host_factor, later=later)
 
 
 def test_a_publication_weighs_the_later_turns_it_commits_to_the_dense_route() -> None:
@@ -1068,12 +1074,12 @@ def test_a_publication_weighs_the_later_turns_it_commits_to_the_dense_route() ->
     model, kw = _flat_prefix(300, 0.8)
     held = decide(model, **kw)
     assert held.verdict is Verdict.HOLD and "later turns are dense too" in held.reason, held.reason
-    assert decide(model, **(kw | {"block_size": 0})).verdict is Verdict.PUBLISH
+    assert decide(model, **(kw | {"later": None})).verdict is Verdict.PUBLISH
     model, kw = _flat_prefix(2000, 0.8)
     assert decide(model, **kw).verdict is Verdict.PUBLISH
     # Later turns whose uncached part passes the host's threshold stay sparse: not weighed.
-    model, kw = _flat_prefix(300, 0.8)
-    assert decide(model, **(kw | {"threshold": 400})).verdict is Verdict.PUBLISH
+    model, kw = _flat_prefix(300, 0.8, threshold=400)
+    assert kw["later"] is None and decide(model, **kw).verdict is Verdict.PUBLISH
 
 
 def test_a_probe_commits_only_later_turns_that_pay_at_the_slices_own_cost() -> None:
@@ -1087,4 +1093,23 @@ def test_a_probe_commits_only_later_turns_that_pay_at_the_slices_own_cost() -> N
     model, kw = _flat_prefix(300, 1.02, host_factor=HOST_APPEND_PRIOR)
     held = decide(model, **kw, **probe)
     assert held.verdict is Verdict.HOLD and not held.probes and "later turns are dense too" in held.reason
-    assert decide(model, **(kw | {"block_size": 0}), **probe).probes
+    assert decide(model, **(kw | {"later": None}), **probe).probes
+
+
+def test_the_status_shows_the_turn_after_next_that_the_last_verdict_weighed() -> None:
+    """A conversation of 9,216 tokens that grew by 300 at its last turn: the turn after
+    next is a 9,816-token prompt appending 300 plus half a 256-token block, and the status
+    shows it beside the verdict, at the host's factor."""
+    from mlx_recovery_plugin.recovery.jobs import RecoveryJob
+
+    judge = PublishJudge(PublishPolicy.AUTO, 256)
+    for context in range(0, 9216, 1024):
+        judge.observe(context, 1024, 1024 * 2e-3)
+    job = RecoveryJob(1, tuple(range(9216)), 9216)
+    judge.note_route(job, _sparse_turn(9216, 3.0, "a2"), appended=300, now=0.0)
+    decision = judge.judge(job, 9216)
+    later = judge.status()["turn_after_next"]
+    assert decision.later is not None and later is not None
+    assert later["prompt_tokens"] == 9816 and later["uncached_tokens"] == 428
+    assert later["dense_append_s"] == pytest.approx(428 * 2e-3 * HOST_APPEND_PRIOR, rel=0.05)
+    assert later["sparse_rerun_s"] > 0

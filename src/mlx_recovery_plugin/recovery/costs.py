@@ -88,6 +88,19 @@ class Verdict(str, Enum):
     STAND_DOWN = "stand_down"  # even a full prefix would not pay: stop recovering
 
 
+@dataclass(frozen=True)
+class LaterTurn:
+    """A published conversation's turn after next: a ``prompt_tokens``-token prompt whose
+    dense append of ``tokens`` costs ``dense_s`` at the slices' cost (a verdict scales it
+    by the host's factor), and ``sparse_s`` the cheaper of the reruns the latest and the
+    cheapest recent sparse turn imply."""
+
+    prompt_tokens: int
+    tokens: int
+    dense_s: float
+    sparse_s: float
+
+
 @dataclass(slots=True, frozen=True)
 class Decision:
     verdict: Verdict
@@ -102,6 +115,8 @@ class Decision:
     settled: bool = False
     #: A publication taken to measure the host's dense append (:mod:`.host_probe`).
     probes: bool = False
+    #: The turn after next the verdict weighed (:func:`later_turn`; None: not weighed).
+    later: LaterTurn | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -408,16 +423,6 @@ def sparse_rerun_seconds(
     return measured.seconds * estimate / at_sample
 
 
-@dataclass(frozen=True)
-class LaterTurn:
-    """A published conversation's turn after next, on each route: ``dense_s`` at the
-    slices' cost (a verdict scales it by the host's factor), ``sparse_s`` the cheaper of
-    the reruns the latest and the cheapest recent sparse turn imply."""
-
-    dense_s: float
-    sparse_s: float
-
-
 def later_turn(
     model: DenseCostModel,
     *,
@@ -445,7 +450,7 @@ def later_turn(
     if dense is None or sparse is None:
         return None
     floor = sparse_rerun_seconds(model, prompt, keep, cheapest) if cheapest is not None else None
-    return LaterTurn(dense.mid, sparse if floor is None else min(sparse, floor))
+    return LaterTurn(prompt, tokens, dense.mid, sparse if floor is None else min(sparse, floor))
 
 
 def decide(
@@ -466,8 +471,7 @@ def decide(
     whole_boundary: int | None = None,
     carried_down: bool = False,
     host_measured: bool = True,
-    growth: int = 0,
-    block_size: int = 0,
+    later: LaterTurn | None = None,
 ) -> Decision:
     """Publish a prefix of ``boundary`` tokens now, hold it back, or stand down.
 
@@ -494,10 +498,9 @@ def decide(
     whole prefix that only the prior holds back is not :attr:`Decision.settled`.
     ``whole_boundary``: the job's whole prefix (None: ``full_boundary``); only a prefix
     that reaches it is published before the costs are known (at a request
-    ``full_boundary`` is what is held, however short). ``growth`` (the conversation's
-    growth a turn) and ``block_size`` (the host's block): a publication commits the
-    conversation's later turns to the dense route too (:func:`later_turn`), so a
-    publication judged once the costs are known must pay there as well."""
+    ``full_boundary`` is what is held, however short). ``later``: the conversation's turn
+    after next (:func:`later_turn`); a publication commits the later turns to the dense
+    route too, so one judged once the costs are known must pay there as well."""
     uncached = next_tokens - boundary
     if threshold is not None and uncached > threshold:
         if boundary >= full_boundary:
@@ -519,9 +522,6 @@ def decide(
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")
         return Decision(Verdict.HOLD, "learning the dense cost before a partial prefix is published")
     host = "" if host_factor == 1.0 else f", the host's: {host_factor:.2f}x the slices'"
-    later = later_turn(model, next_tokens=next_tokens, growth=growth, block_size=block_size, threshold=threshold,
-                       keep=keep, measured=measured, cheapest=cheapest)
-
     def commits(bar: float, factor: float = host_factor) -> bool:
         return later is None or later.dense_s * factor <= bar * later.sparse_s
 

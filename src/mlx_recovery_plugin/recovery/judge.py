@@ -32,6 +32,7 @@ from .costs import (
     SparseSample,
     Verdict,
     decide,
+    later_turn,
     sparse_rerun_seconds,
 )
 from .door_reading import DoorGrowth, door_growth
@@ -398,15 +399,19 @@ class PublishJudge:
         carried = self._carried(route, keep)
         if carried is not None:
             self._carried_last = carried.record
-        return decide(
+        measured, cheapest = self._sparse_sample(route, carried), self._cheapest(route, appended, carried)
+        later = later_turn(self.costs, next_tokens=len(job.tokens) + appended, growth=appended,
+                           block_size=self.block_size, threshold=route.threshold, keep=keep, measured=measured,
+                           cheapest=cheapest)
+        decision = decide(
             self.costs,
             boundary=boundary,
             full_boundary=full_boundary,
             next_tokens=len(job.tokens) + appended,
             threshold=route.threshold,
             keep=keep,
-            measured=self._sparse_sample(route, carried),
-            cheapest=self._cheapest(route, appended, carried),
+            measured=measured,
+            cheapest=cheapest,
             measured_here=self.regime in route.sparse,
             host_factor=self._host_append.value,
             may_probe=may_probe,
@@ -414,9 +419,9 @@ class PublishJudge:
             whole_boundary=job.publish_end(self.block_size),
             carried_down=carried is not None and carried.regime is Regime.BUSY and self.regime is Regime.QUIET,
             host_measured=self._host_append.measured > 0,
-            growth=appended,
-            block_size=self.block_size,
+            later=later,
         )
+        return replace(decision, later=later)
 
     def _length_decides(self, job: RecoveryJob) -> bool:
         """Whether the next prompt's length, not known yet, decides the verdict on ``job``'s
@@ -571,6 +576,9 @@ class PublishJudge:
                 "reason": decision.reason if decision else None,
                 "dense_append_s": decision.dense_s if decision else None,
                 "sparse_rerun_s": decision.sparse_s if decision else None,
+                # The turn after next the last verdict weighed: a publication commits it
+                # to the dense route (its dense append at the host's factor).
+                "turn_after_next": _later_status(decision, self._host_append.value),
                 # The last sparse turn carried over from the other load regime, and how.
                 "sparse_carried_over": self._carried_last,
                 # What the last request that continued a held conversation was given
@@ -581,6 +589,14 @@ class PublishJudge:
                 },
             }
         )
+
+
+def _later_status(decision: Decision | None, host_factor: float) -> dict[str, float] | None:
+    later = None if decision is None else decision.later
+    if later is None:
+        return None
+    return {"prompt_tokens": later.prompt_tokens, "uncached_tokens": later.tokens,
+            "dense_append_s": round(later.dense_s * host_factor, 4), "sparse_rerun_s": round(later.sparse_s, 4)}
 
 
 def _reading_status(reading: LoadReading | None) -> dict[str, float] | None:
