@@ -1113,3 +1113,20 @@ def test_the_status_shows_the_turn_after_next_that_the_last_verdict_weighed() ->
     assert later["prompt_tokens"] == 9816 and later["uncached_tokens"] == 428
     assert later["dense_append_s"] == pytest.approx(428 * 2e-3 * HOST_APPEND_PRIOR, rel=0.05)
     assert later["sparse_rerun_s"] > 0
+
+
+def test_a_whole_prefix_whose_later_turns_only_the_factor_decides_runs_on_for_the_hosts_first_dense_turn() -> None:
+    """1,000 tokens a turn over a prompt ending on a block: the next turn reads 0.89 of its
+    rerun at the slices' cost (1.07 at the prior), the turn after next 0.91. At a measured
+    factor of 0.95 or less both pay by the margin, and a probe would take the later turn:
+    the hold is the prior's alone, not settled, so the job runs on and is whole when the
+    host's first dense turn (a probe, any conversation's) decides it."""
+    model, kw = _flat_prefix(1000, 0.89 * HOST_APPEND_PRIOR, host_factor=HOST_APPEND_PRIOR)
+    assert kw["later"] is not None
+    later_ratio = kw["later"].dense_s / kw["later"].sparse_s
+    assert 0.9 < later_ratio <= 1.0
+    held = decide(model, **kw, host_measured=False)
+    assert held.verdict is Verdict.HOLD and not held.settled, held.reason
+    assert "the host's first dense turn" in held.reason
+    measured = decide(model, **(kw | {"host_factor": 0.95}))
+    assert measured.verdict is Verdict.PUBLISH, measured.reason

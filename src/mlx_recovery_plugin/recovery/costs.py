@@ -607,8 +607,11 @@ def decide(
     # slices, so the job runs on and is whole when that comes. Paused instead, three such
     # jobs left 44 s of idle time unused until a probe went out (bench server, 3072x2,
     # three conversations), and none was whole when the factor read 0.94.
+    # The turns it would commit too: where a probe would take them (not slower than sparse
+    # at the slices' cost), a measured factor may still publish, and a job paused here
+    # would never be whole at a return to be probed.
     prior_only = (not host_measured and slices is not None and slices.mid <= margin * beat
-                  and commits(margin, 1.0))
+                  and probe_commits)
     return Decision(
         Verdict.HOLD,
         f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {beat:.2f} s "
