@@ -446,11 +446,19 @@ def later_turn(
         return None
     prompt = next_tokens + growth
     dense = model.estimate(tokens, prompt - tokens)
-    sparse = sparse_rerun_seconds(model, prompt, keep, measured)
-    if dense is None or sparse is None:
+    beat = _rerun_to_beat(model, prompt, keep, sparse_rerun_seconds(model, prompt, keep, measured), cheapest)
+    if dense is None or beat is None:
         return None
+    return LaterTurn(prompt, tokens, dense.mid, beat)
+
+
+def _rerun_to_beat(
+    model: DenseCostModel, prompt: int, keep: float, latest: float | None, cheapest: SparseSample | None,
+) -> float | None:
+    """The sparse rerun of a ``prompt``-token turn that a publication must beat: the
+    cheaper of ``latest`` (the latest sparse turn's) and the one ``cheapest`` implies."""
     floor = sparse_rerun_seconds(model, prompt, keep, cheapest) if cheapest is not None else None
-    return LaterTurn(prompt, tokens, dense.mid, sparse if floor is None else min(sparse, floor))
+    return latest if latest is None or floor is None else min(latest, floor)
 
 
 def decide(
@@ -515,8 +523,7 @@ def decide(
     sparse = sparse_rerun_seconds(model, next_tokens, keep, measured)
     # A publication is weighed against the cheapest recent rerun, a stand-down against
     # the latest: each errs towards leaving the host's own route alone.
-    floor = sparse_rerun_seconds(model, next_tokens, keep, cheapest) if cheapest is not None else None
-    beat = sparse if sparse is None or floor is None else min(sparse, floor)
+    beat = _rerun_to_beat(model, next_tokens, keep, sparse, cheapest)
     if dense is None or sparse is None or beat is None:
         if boundary >= (full_boundary if whole_boundary is None else whole_boundary):
             return Decision(Verdict.PUBLISH, "full prefix; dense cost not yet learned")

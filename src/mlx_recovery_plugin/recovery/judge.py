@@ -400,14 +400,15 @@ class PublishJudge:
         if carried is not None:
             self._carried_last = carried.record
         measured, cheapest = self._sparse_sample(route, carried), self._cheapest(route, appended, carried)
-        later = later_turn(self.costs, next_tokens=len(job.tokens) + appended, growth=appended,
+        next_tokens = len(job.tokens) + appended
+        later = later_turn(self.costs, next_tokens=next_tokens, growth=appended,
                            block_size=self.block_size, threshold=route.threshold, keep=keep, measured=measured,
                            cheapest=cheapest)
         decision = decide(
             self.costs,
             boundary=boundary,
             full_boundary=full_boundary,
-            next_tokens=len(job.tokens) + appended,
+            next_tokens=next_tokens,
             threshold=route.threshold,
             keep=keep,
             measured=measured,
