@@ -1112,7 +1112,13 @@ def test_the_status_shows_the_turn_after_next_that_the_last_verdict_weighed() ->
     assert decision.later is not None and later is not None
     assert later["prompt_tokens"] == 9816 and later["uncached_tokens"] == 428
     assert later["dense_append_s"] == pytest.approx(428 * 2e-3 * HOST_APPEND_PRIOR, rel=0.05)
-    assert later["sparse_rerun_s"] > 0
+    assert later["sparse_rerun_s"] > 0 and later["host_factor"] == pytest.approx(HOST_APPEND_PRIOR)
+    # Another conversation's dense turn at half the slices' cost moves the host's factor;
+    # until the next verdict the status still shows what the last one weighed.
+    judge.observe_turn(None, RequestPrefilled("e", "o", "m", tuple(range(2048)), 1024, Route.DENSE,
+                                              0.5 * judge.costs.seconds(1024, 1024)))
+    assert judge.status()["host_append_factor"] < 0.6
+    assert judge.status()["turn_after_next"] == later
 
 
 def test_a_whole_prefix_whose_later_turns_only_the_factor_decides_runs_on_for_the_hosts_first_dense_turn() -> None:

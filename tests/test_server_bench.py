@@ -4,6 +4,7 @@ restores sparse-off's cached tokens with recovery attached by environment variab
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -368,6 +369,16 @@ def test_the_idle_time_before_a_turn_is_what_the_server_had_not_just_the_think_t
                          "test", off, None)
     assert [s.idle_after_s for s in off.steps] == pytest.approx([1.0, 1.0, 0.0])  # no status read, 1 s waits
     assert [s.bench_s for s in off.steps] == pytest.approx([0.0, 0.0, None])
+    # --equal-idle: sparse off waits the think time too, as the recovery arm does.
+    from mlx_recovery_plugin.bench.server.cli import _config
+    from mlx_recovery_plugin.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "server", "--equal-idle", "--sessions", "agent"])
+    equal = dataclasses.replace(_config(args, tmp_path), pair=config.pair)
+    off = ArmRun("sparse_off")
+    run_mod._serve_steps(equal, equal.pair, session, "sparse_off", server, None, lambda line: None,
+                         "test", off, None)
+    assert [s.idle_after_s for s in off.steps] == pytest.approx([40.0, 40.0, 0.0])
 
 
 # -- the real server -------------------------------------------------------------------

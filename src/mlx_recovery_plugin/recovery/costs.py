@@ -93,12 +93,14 @@ class LaterTurn:
     """A published conversation's turn after next: a ``prompt_tokens``-token prompt whose
     dense append of ``tokens`` costs ``dense_s`` at the slices' cost (a verdict scales it
     by the host's factor), and ``sparse_s`` the cheaper of the reruns the latest and the
-    cheapest recent sparse turn imply."""
+    cheapest recent sparse turn imply; ``host_factor`` is the factor the verdict weighed it
+    at (the judge's, when it weighed)."""
 
     prompt_tokens: int
     tokens: int
     dense_s: float
     sparse_s: float
+    host_factor: float = 1.0
 
 
 @dataclass(slots=True, frozen=True)

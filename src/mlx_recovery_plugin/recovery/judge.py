@@ -401,9 +401,12 @@ class PublishJudge:
             self._carried_last = carried.record
         measured, cheapest = self._sparse_sample(route, carried), self._cheapest(route, appended, carried)
         next_tokens = len(job.tokens) + appended
+        factor = self._host_append.value
         later = later_turn(self.costs, next_tokens=next_tokens, growth=appended,
                            block_size=self.block_size, threshold=route.threshold, keep=keep, measured=measured,
                            cheapest=cheapest)
+        if later is not None:
+            later = replace(later, host_factor=factor)
         decision = decide(
             self.costs,
             boundary=boundary,
@@ -414,7 +417,7 @@ class PublishJudge:
             measured=measured,
             cheapest=cheapest,
             measured_here=self.regime in route.sparse,
-            host_factor=self._host_append.value,
+            host_factor=factor,
             may_probe=may_probe,
             length_known=length_known,
             whole_boundary=job.publish_end(self.block_size),
@@ -579,7 +582,7 @@ class PublishJudge:
                 "sparse_rerun_s": decision.sparse_s if decision else None,
                 # The turn after next the last verdict weighed: a publication commits it
                 # to the dense route (its dense append at the host's factor).
-                "turn_after_next": _later_status(decision, self._host_append.value),
+                "turn_after_next": _later_status(decision),
                 # The last sparse turn carried over from the other load regime, and how.
                 "sparse_carried_over": self._carried_last,
                 # What the last request that continued a held conversation was given
@@ -592,12 +595,13 @@ class PublishJudge:
         )
 
 
-def _later_status(decision: Decision | None, host_factor: float) -> dict[str, float] | None:
+def _later_status(decision: Decision | None) -> dict[str, float] | None:
     later = None if decision is None else decision.later
     if later is None:
         return None
     return {"prompt_tokens": later.prompt_tokens, "uncached_tokens": later.tokens,
-            "dense_append_s": round(later.dense_s * host_factor, 4), "sparse_rerun_s": round(later.sparse_s, 4)}
+            "dense_append_s": round(later.dense_s * later.host_factor, 4), "sparse_rerun_s": round(later.sparse_s, 4),
+            "host_factor": round(later.host_factor, 4)}
 
 
 def _reading_status(reading: LoadReading | None) -> dict[str, float] | None:

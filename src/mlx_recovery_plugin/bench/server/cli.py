@@ -82,6 +82,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the recovery arm stays idle S seconds after its last answer and the plugin's status is "
                    "read again: committed / run once that time has passed, beside the figure at the session's "
                    "end (default 0: not read again)")
+    p.add_argument("--equal-idle", action="store_true",
+                   help="sparse off and sparse on wait the real think time between turns too (default: 1 s, as "
+                   "they do nothing while idle): every arm's turns arrive at a machine idle as long")
     p.add_argument("--publish-policy", help="MLX_RECOVERY_PUBLISH_POLICY for the recovery arm (default: the plugin's)")
     p.add_argument("--workdir", metavar="DIR", help="where models, caches and server logs go (default: a temp dir)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
@@ -103,6 +106,7 @@ def _config(args: argparse.Namespace, workdir: Path) -> BenchConfig:
         workdir=workdir, budget_pct=args.budget, port=args.port, publish_policy=args.publish_policy,
         load_first_turn=bool(getattr(args, "load_first_turn", False)),
         arrivals=getattr(args, "arrivals", None) or "own",
+        equal_idle=bool(getattr(args, "equal_idle", False)),
     )
     if args.quick:
         config.target, config.draft = QUICK_TARGET, QUICK_DRAFT

@@ -273,6 +273,7 @@ class BenchReport:
     token_fit: dict[str, Any] | None = None  # chars per token of the target's tokenizer (sessions.TokenFit)
     notes: list[str] = field(default_factory=list)  # lines about the sizes (context, threshold)
     load_first_turn: bool = False  # a competing CPU load through each arm's first turn and gap
+    equal_idle: bool = False  # sparse off and sparse on waited the real think time too
 
     def longest_prompt(self) -> int:
         runs = [a for s in self.sessions for a in s.arms.values()]
@@ -444,13 +445,19 @@ def format_curve(points: list[CurvePoint]) -> list[str]:
     return lines
 
 
+def _idle_line(report: BenchReport) -> str:
+    if report.equal_idle:
+        return "every arm waits the real think time between turns (--equal-idle)."
+    return (f"sparse off and sparse on wait only {report.idle_wait_s:g} s between turns (they do nothing "
+            "while idle); the recovery arm waits the real think time.")
+
+
 def format_report(report: BenchReport) -> str:
     lines = [
         f"# mlx-recovery bench server: {report.host}, target {report.target}, draft {report.draft}",
         f"BLAS: {report.blas} | recovery budget {report.budget_pct:g} % | think time {report.think_s:g} s "
         f"| publish policy {report.publish_policy} | max_tokens {report.max_tokens}",
-        f"sparse off and sparse on wait only {report.idle_wait_s:g} s between turns (they do nothing "
-        "while idle); the recovery arm waits the real think time.",
+        _idle_line(report),
     ]
     if report.load_first_turn:
         lines.append("a competing CPU load (a busy loop per core) ran from each arm's first turn until its second "

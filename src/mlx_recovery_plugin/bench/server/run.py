@@ -69,6 +69,10 @@ class BenchConfig:
     budget_pct: float = 50.0
     max_tokens: int = 2
     idle_wait_s: float = 1.0
+    # Sparse off and sparse on wait the real think time too (--equal-idle): a turn that
+    # arrives after a long idle may find the machine slower than one a second after the
+    # last, whatever the arm.
+    equal_idle: bool = False
     port: int | None = None
     publish_policy: str | None = None  # MLX_RECOVERY_PUBLISH_POLICY for the recovery arm
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -260,7 +264,8 @@ def _serve_steps(
         last = index == len(session.steps) - 1
         # A loaded gap is waited out in every arm: what a machine is like after a minute
         # of load (caches, clocks) is part of the next turn, whatever the arm.
-        wait = step.think_s if arm == "sparse_recovery" or loaded else min(step.think_s, config.idle_wait_s)
+        full = arm == "sparse_recovery" or loaded or config.equal_idle
+        wait = step.think_s if full else min(step.think_s, config.idle_wait_s)
         progress(f"{tag} step {index + 1}/{len(session.steps)} ({step.conversation} turn {step.turn}"
                  f"{' ' + step.label if step.label else ''}): prompt {measure.prompt_tokens} cached "
                  f"{measure.cached_tokens} ttft {measure.ttft_s:.2f} s"
@@ -372,7 +377,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchReport:
         blas=describe() + _server_preload(),
         budget_pct=config.budget_pct, think_s=config.think_s, idle_wait_s=config.idle_wait_s,
         max_tokens=config.max_tokens, publish_policy=config.publish_policy or "(plugin default)",
-        load_first_turn=config.load_first_turn,
+        load_first_turn=config.load_first_turn, equal_idle=config.equal_idle,
     )
     for name in config.sessions:
         if name == "curve":
