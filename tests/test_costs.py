@@ -11,6 +11,7 @@ from mlx_recovery_plugin.events import RequestPrefilled, Route
 from mlx_recovery_plugin.recovery.costs import (
     DEFAULT_APPEND_TOKENS,
     HOST_APPEND_PRIOR,
+    PAYS_MARGIN,
     PROBE_BAR_AT_ARRIVAL,
     DenseCostModel,
     HostAppendFactor,
@@ -574,23 +575,34 @@ def _whole_prefix_600_tokens_on(host_factor: float) -> tuple[DenseCostModel, flo
                               host_factor=host_factor)
 
 
-def test_at_arrival_a_probe_may_go_out_on_a_sparse_cost_carried_down_to_a_quiet_machine() -> None:
+def test_at_arrival_a_probe_on_a_sparse_cost_carried_down_still_needs_later_turns_paying_by_the_margin() -> None:
     """``bench policy``, 3584x3 at 10,240, loaded during the first turn: at the arrival the
     whole prefix's dense append at the host's prior (1.2x the slices') read 0.905 of the
     rerun carried down to the quiet machine, just short of the margin, and it was held, 2.33 s
     of one turn lost, where the sparse rerun took 1.31x the host's dense append. A sparse
-    cost carried down to a quiet machine read 0.91-1.22x the truth: at arrival the probe
-    bets on it."""
+    cost carried down to a quiet machine read 0.91-1.22x the truth: for the next turn at
+    arrival the probe bets on it. But the turns it commits read 0.95 of their rerun at the
+    slices' cost, which on 1024x4 (bench server) a host at 1.19x turned into later turns at
+    1.12-1.22x sparse on's: held, running on for the host's first dense turn."""
+    from mlx_recovery_plugin.recovery import judge as judge_module
     from mlx_recovery_plugin.recovery.machine_load import Regime
 
+    with pytest.MonkeyPatch.context() as patch:  # the next turn alone: a probe
+        patch.setattr(judge_module, "later_turn", lambda *args, **kwargs: None)
+        judge, job = _first_turn_loaded_then_quiet(8.8, 5.2)
+        alone = judge.judge(job, 8704, next_tokens=8704 + 600)
+        assert alone.verdict is Verdict.PUBLISH and alone.probes, alone.reason
+        # What the next turn's bet is: at the prior a few per cent either side of the carried rerun.
+        assert alone.dense_s is not None and alone.sparse_s is not None
+        assert 0.9 < alone.dense_s / alone.sparse_s <= PROBE_BAR_AT_ARRIVAL
     judge, job = _first_turn_loaded_then_quiet(8.8, 5.2)
     assert judge.regime is Regime.QUIET and not judge.status()["host_append_measured"]
     decision = judge.judge(job, 8704, next_tokens=8704 + 600)
-    assert decision.verdict is Verdict.PUBLISH and decision.probes, decision.reason
     assert judge.status()["sparse_carried_over"]["from"] == "busy"
-    # What the bet is: at the prior a few per cent either side of the carried rerun.
-    assert decision.dense_s is not None and decision.sparse_s is not None
-    assert 0.9 < decision.dense_s / decision.sparse_s <= PROBE_BAR_AT_ARRIVAL
+    assert decision.later is not None
+    assert PAYS_MARGIN < decision.later.dense_s / decision.later.sparse_s <= 1.0
+    assert decision.verdict is Verdict.HOLD and not decision.probes and not decision.settled, decision.reason
+    assert "the host's first dense turn" in decision.reason
 
 
 def test_a_probe_at_arrival_needs_a_sparse_cost_timed_here_or_carried_down() -> None:
@@ -1082,18 +1094,23 @@ def test_a_publication_weighs_the_later_turns_it_commits_to_the_dense_route() ->
     assert kw["later"] is None and decide(model, **kw).verdict is Verdict.PUBLISH
 
 
-def test_a_probe_commits_only_later_turns_that_pay_at_the_slices_own_cost() -> None:
+def test_a_probe_commits_only_later_turns_that_pay_by_the_margin_at_the_slices_own_cost() -> None:
     """At the arrival the next turn reads 1.02 of its rerun at the host's prior (0.85 at the
-    slices' cost): a probe. Where a turn grows by 300 and the prompt ends on a block, its
-    later turns would read 1.18 of theirs even at the slices' cost: no probe."""
+    slices' cost): a probe where its later turns pay by the margin at the slices' cost (2,000
+    tokens a turn: 0.77 of their rerun). Not where they would merely not lose there (600
+    tokens a turn over a prompt ending on a block: 0.97; at a host factor like the prior's
+    they would take 1.17x the rerun, every turn from then on), nor where they lose even
+    at the slices' cost (300: 1.18)."""
     probe: dict[str, Any] = dict(may_probe=True, length_known=True, host_measured=False)
     model, kw = _flat_prefix(2000, 1.02, host_factor=HOST_APPEND_PRIOR)
     taken = decide(model, **kw, **probe)
     assert taken.verdict is Verdict.PUBLISH and taken.probes, taken.reason
-    model, kw = _flat_prefix(300, 1.02, host_factor=HOST_APPEND_PRIOR)
-    held = decide(model, **kw, **probe)
-    assert held.verdict is Verdict.HOLD and not held.probes and "later turns are dense too" in held.reason
-    assert decide(model, **(kw | {"later": None}), **probe).probes
+    for growth, later_ratio in ((600, 0.97), (300, 1.18)):
+        model, kw = _flat_prefix(growth, 1.02, host_factor=HOST_APPEND_PRIOR)
+        assert kw["later"].dense_s / kw["later"].sparse_s == pytest.approx(later_ratio, abs=0.01)
+        held = decide(model, **kw, **probe)
+        assert held.verdict is Verdict.HOLD and not held.probes and "later turns are dense too" in held.reason
+        assert decide(model, **(kw | {"later": None}), **probe).probes
 
 
 def test_the_status_shows_the_turn_after_next_that_the_last_verdict_weighed() -> None:
@@ -1124,9 +1141,10 @@ def test_the_status_shows_the_turn_after_next_that_the_last_verdict_weighed() ->
 def test_a_whole_prefix_whose_later_turns_only_the_factor_decides_runs_on_for_the_hosts_first_dense_turn() -> None:
     """1,000 tokens a turn over a prompt ending on a block: the next turn reads 0.89 of its
     rerun at the slices' cost (1.07 at the prior), the turn after next 0.91. At a measured
-    factor of 0.95 or less both pay by the margin, and a probe would take the later turn:
-    the hold is the prior's alone, not settled, so the job runs on and is whole when the
-    host's first dense turn (a probe, any conversation's) decides it."""
+    factor of 0.95 or less both pay by the margin: the hold is the prior's alone, not
+    settled, so the job runs on and is whole when the host's first dense turn (another
+    conversation's probe) decides it. (No probe of its own: its later turns do not pay by
+    the margin at the slices' cost.)"""
     model, kw = _flat_prefix(1000, 0.89 * HOST_APPEND_PRIOR, host_factor=HOST_APPEND_PRIOR)
     assert kw["later"] is not None
     later_ratio = kw["later"].dense_s / kw["later"].sparse_s

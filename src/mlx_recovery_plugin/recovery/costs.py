@@ -598,11 +598,16 @@ def decide(
     # that. Five cells since, with the probe allowed so: three probes, next turns at most
     # 0.96x the reruns around them.
     timed_for_probe = measured_here or (carried_down and length_known)
-    # The turns a probe commits must not lose at the slices' own cost: at the prior they
-    # are what the probe is there to find out (bench policy, 3584x3: held at the prior,
-    # the host's dense append was 0.76 of the rerun, its later turns' 1.21x longer
-    # appends pay too), and the factor it measures then holds back the others.
-    probe_commits = commits(1.0, 1.0)
+    # The turns a probe commits must pay by the margin at the slices' own cost: at the
+    # prior they are what the probe is there to find out (bench policy, 3584x3: held at
+    # the prior, the host's dense append was 0.76 of the rerun, its later turns' 1.21x
+    # longer appends pay too), and the factor it measures then holds back the others.
+    # By the margin, not merely not losing: then at the prior itself (1.2 x 0.9) they
+    # are at most 1.08x the rerun. Merely not losing, a probe on 1024x4 (attention-bound;
+    # bench server, interleaved, --equal-idle) went out on later turns at 0.96 of the
+    # rerun at the slices' cost, the host's factor read 1.19, and the conversation's
+    # later turns took 1.12x, 1.13x and 1.22x sparse on's: a bet of 4 % against 15 %.
+    probe_commits = commits(margin, 1.0)
     if may_probe and timed_for_probe and dense.supported and slices is not None and probe_pays and probe_commits:
         return Decision(
             Verdict.PUBLISH,
@@ -616,11 +621,12 @@ def decide(
     # slices, so the job runs on and is whole when that comes. Paused instead, three such
     # jobs left 44 s of idle time unused until a probe went out (bench server, 3072x2,
     # three conversations), and none was whole when the factor read 0.94.
-    # The turns it would commit too: where a probe would take them (not slower than sparse
-    # at the slices' cost), a measured factor may still publish, and a job paused here
-    # would never be whole at a return to be probed.
+    # The turns it would commit too: where they are not slower than sparse at the slices'
+    # cost, a measured factor (another conversation's probe) may still publish, and a job
+    # paused here would never be whole at a return to be published. Running on costs idle
+    # time only; a probe is bet on a turn, and needs them to pay by the margin.
     prior_only = (not host_measured and slices is not None and slices.mid <= margin * beat
-                  and probe_commits)
+                  and commits(1.0, 1.0))
     return Decision(
         Verdict.HOLD,
         f"full prefix: dense append {dense.mid:.2f} s (from {dense.low:.2f}) against sparse {beat:.2f} s "
