@@ -15,7 +15,9 @@ or paused on the prior is judged again then, not only at its conversation's next
 
 A probe is only taken where, at the prior's own expected cost, the dense turn is no
 slower than the sparse rerun (:func:`~.costs.decide`): if the prior is right, the probe
-costs nothing on average; if the host is cheaper, every later turn gains.
+costs nothing on average; if the host is cheaper, every later turn gains. A published
+conversation stays dense, so the turns after it must pay by the margin at the slices'
+own cost too: if the prior is right they are then at most 1.08x the rerun each.
 
 Threads: owned by one engine's :class:`~.judge.PublishJudge`, on its engine thread.
 """
