@@ -435,12 +435,14 @@ def later_turn(
     keep: float,
     measured: SparseSample | None,
     cheapest: SparseSample | None,
+    host_factor: float = 1.0,
 ) -> LaterTurn | None:
     """The turn after next of a conversation whose prefix is published: the host caches a
     dense turn's prompt to its last whole block, so each later turn appends its growth
     plus the tail the block left uncached the turn before, half a block on average, where
     the next turn's tail is whatever its prompt left (from none to a block less one). None
-    where it cannot be told or stays sparse (its uncached part over ``threshold``)."""
+    where it cannot be told or stays sparse (its uncached part over ``threshold``).
+    ``host_factor``: the factor the verdict weighs it at, kept with it for the status."""
     if growth <= 0 or block_size <= 0:
         return None
     tokens = growth + block_size // 2
@@ -451,7 +453,7 @@ def later_turn(
     beat = _rerun_to_beat(model, prompt, keep, sparse_rerun_seconds(model, prompt, keep, measured), cheapest)
     if dense is None or beat is None:
         return None
-    return LaterTurn(prompt, tokens, dense.mid, beat)
+    return LaterTurn(prompt, tokens, dense.mid, beat, host_factor)
 
 
 def _rerun_to_beat(

@@ -404,9 +404,7 @@ class PublishJudge:
         factor = self._host_append.value
         later = later_turn(self.costs, next_tokens=next_tokens, growth=appended,
                            block_size=self.block_size, threshold=route.threshold, keep=keep, measured=measured,
-                           cheapest=cheapest)
-        if later is not None:
-            later = replace(later, host_factor=factor)
+                           cheapest=cheapest, host_factor=factor)
         decision = decide(
             self.costs,
             boundary=boundary,
