@@ -1154,3 +1154,46 @@ def test_a_whole_prefix_whose_later_turns_only_the_factor_decides_runs_on_for_th
     assert "the host's first dense turn" in held.reason
     measured = decide(model, **(kw | {"host_factor": 0.95}))
     assert measured.verdict is Verdict.PUBLISH, measured.reason
+
+
+def test_a_whole_prefix_is_published_where_the_next_turn_is_no_slower_and_the_later_turns_pay_at_a_measured_factor() -> None:
+    """The whole 9,216-token prefix of a 9,416-token prompt: the next turn appends its
+    600-token growth plus the prompt's 200-token tail, at a measured host factor of 1.08
+    0.95 of its sparse rerun (inside the margin), and the turns after it append 600 plus
+    half a block, at 0.82 of theirs. Published: the conversation gains from the next turn
+    on. Held "not yet clear" (settled: the job pauses) where no later turn can be told, where
+    the later turns would not pay by the margin (a prompt ending on a block: the next turn
+    is the cheapest), where the next turn is expected slower, and at the prior."""
+    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
+    factor = 1.08
+
+    def case(growth: int, tail: int, ratio: float) -> dict[str, Any]:
+        prompt = 9216 + tail
+        dense = model.seconds(growth + tail, 9216)
+        assert dense is not None
+        sparse = SparseSample(prompt + growth, factor * dense / ratio)
+        later = later_turn(model, next_tokens=prompt + growth, growth=growth, block_size=256, threshold=8192,
+                           keep=1.0, measured=sparse, cheapest=None, host_factor=factor)
+        return dict(boundary=9216, full_boundary=9216, next_tokens=prompt + growth, threshold=8192, keep=1.0,
+                    measured=sparse, host_factor=factor, later=later)
+
+    kw = case(600, 200, 0.95)
+    assert kw["later"] is not None
+    assert factor * kw["later"].dense_s / kw["later"].sparse_s == pytest.approx(0.82, abs=0.01)
+    published = decide(model, **kw)
+    assert published.verdict is Verdict.PUBLISH and "later turns pay" in published.reason, published.reason
+    assert published.dense_s is not None and published.sparse_s is not None
+    assert published.dense_s == pytest.approx(0.95 * published.sparse_s, rel=0.01)
+
+    def held(**kw: Any) -> None:
+        decision = decide(model, **kw)
+        assert decision.verdict is Verdict.HOLD and "not yet clear" in decision.reason, decision.reason
+        assert decision.settled
+
+    held(**(kw | {"later": None}))
+    flush = case(600, 0, 0.95)
+    assert flush["later"] is not None and factor * flush["later"].dense_s / flush["later"].sparse_s > 0.9
+    held(**flush)
+    held(**case(600, 200, 1.03))
+    at_prior = decide(model, **kw, host_measured=False)
+    assert at_prior.verdict is Verdict.HOLD and "not yet clear" in at_prior.reason, at_prior.reason

@@ -379,11 +379,12 @@ def test_a_job_whose_whole_prefix_is_not_yet_clear_on_evidence_that_reaches_it_p
 
 def test_a_new_turn_of_a_conversation_still_not_yet_clear_runs_no_slice_for_it(rigs) -> None:
     """X is run whole and held "not yet clear", and the host's own dense append tells the
-    policy what such a turn costs. X's conversation comes back with 200 more tokens at the
-    same sparse cost per token: the verdict on its whole prefix is still not clear, on
-    evidence that reaches it, so the new turn pauses the job without a slice (one would
-    only be held). Its held blocks stay, and a slow sparse turn still resumes and
-    publishes it."""
+    policy what such a turn costs. X's conversation comes back with 200 more tokens at a
+    sparse cost per token a little lower: the next turn's dense append is expected 1.02x
+    its rerun, the verdict on its whole prefix is still not clear, on evidence that reaches
+    it, so the new turn pauses the job without a slice (one would only be held). Its held
+    blocks stay, and a slow sparse turn still resumes and publishes it. (At the same cost
+    per token the next turn reads 0.95 of its rerun and the turns after it pay: published.)"""
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     x = random_tokens(30, PROMPT)
     rig.served(x, threshold=5000, prefill_s=3.51)
@@ -395,7 +396,7 @@ def test_a_new_turn_of_a_conversation_still_not_yet_clear_runs_no_slice_for_it(r
     counters = rig.status()["counters"]
     ran, slices = counters["tokens_run"], counters["slices"]
     longer = x + random_tokens(32, 200)
-    rig.served(longer, threshold=5000, prefill_s=2.9)
+    rig.served(longer, threshold=5000, prefill_s=2.7)
     rig.idle(until=rig.clock() + 100.0)
     status = rig.status()
     (job,) = status["jobs"]
@@ -751,21 +752,26 @@ def test_a_whole_prefix_only_the_prior_holds_back_is_published_once_to_measure_t
     assert status["policy"]["host_probe"]["taken"] == 1
 
 
-def test_a_host_as_dear_as_the_prior_says_ends_the_probes_and_the_close_calls_stay_held(rigs) -> None:
+@pytest.mark.parametrize(("factor", "published", "why"), [
+    (HOST_APPEND_PRIOR, 960, "later turns pay"), (1.3, 0, "not yet clear"),
+], ids=["as-dear-as-the-prior", "dearer"])
+def test_a_host_as_dear_as_the_prior_says_ends_the_probes(rigs, factor: float, published: int, why: str) -> None:
     """The probe's next turn costs what the prior said (1.2x the slices'): the factor is
-    measured, no other conversation is published on the prior's doubt, and Y stays held."""
+    measured and no other conversation is published as a probe. Y's next turn then reads
+    0.94 of its rerun and its later turns 0.80: Y is published on the measured factor. On
+    a host dearer still (1.3x) Y's next turn would be 1.02x its rerun: a close call, held."""
     rig = rigs(block=64, a=A, budget_pct=100.0, slice_tokens=128)
     x, x_next = _whole_then_next(rig, 54)
     rig.idle(until=rig.clock() + 100.0)
     assert rig.restorable(x) == 960
-    rig.prefilled(x_next, cached=960, route=Route.DENSE, seconds=HOST_APPEND_PRIOR * (len(x_next) - 960) * A)
+    rig.prefilled(x_next, cached=960, route=Route.DENSE, seconds=factor * (len(x_next) - 960) * A)
     y, _ = _whole_then_next(rig, 56)
     rig.clock.advance(10_000.0)  # however long after: a measured factor is not probed again
     rig.idle(until=rig.clock() + 100.0)
     status = rig.status()
     assert status["policy"]["host_append_measured"] == 1
-    assert rig.restorable(y) == 0 and status["policy"]["host_probe"]["taken"] == 1
-    assert "not yet clear" in status["policy"]["reason"]
+    assert rig.restorable(y) == published and status["policy"]["host_probe"]["taken"] == 1
+    assert why in status["policy"]["reason"], status["policy"]["reason"]
 
 
 def test_a_probe_whose_conversation_never_returns_lets_another_be_tried_when_its_wait_runs_out(rigs) -> None:

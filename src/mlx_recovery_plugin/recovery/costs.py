@@ -588,6 +588,23 @@ def decide(
             f"< sparse rerun {beat:.2f} s",
             dense.mid, beat,
         )
+    if (host_measured and dense.supported and later is not None and dense.mid <= beat
+            and dense.high <= beat / margin and commits(margin)):
+        # The margin guards a bet on one turn. A publication bets the next turn and wins
+        # every later one: where the host's factor is measured, the later turns pay by the
+        # margin, and the next one is expected no slower (at most ~1.1x at the estimate's
+        # high end), the conversation gains. Held "not yet clear" instead, a job pauses
+        # (settled): bench server, 3072x2, three conversations, once a host turn moved the
+        # factor to 1.08 both jobs still running paused (next turn 6.02 s against sparse
+        # 6.54 s, their later turns paying by the margin), the next 30 s of idle time went
+        # unused, neither conversation was published again, committed / run 0.39.
+        return Decision(
+            Verdict.PUBLISH,
+            f"full prefix: the next turn's dense append {dense.mid:.2f} s (at most {dense.high:.2f}{host}) is no "
+            f"slower than sparse {beat:.2f} s, and its later turns pay: the turn after next "
+            f"{later.dense_s * host_factor:.2f} s against sparse {later.sparse_s:.2f} s",
+            dense.mid, beat,
+        )
     probe_pays = (dense.mid <= PROBE_BAR_AT_ARRIVAL * beat if length_known
                   else dense.mid <= beat and slices is not None and slices.high <= margin * beat)
     # A probe bets one turn within a few per cent, so only on a sparse cost whose error is
