@@ -1060,19 +1060,21 @@ def test_attention_is_not_timed_while_other_processes_load_the_machine() -> None
 
 
 def _flat_prefix(
-    growth: int, ratio: float, host_factor: float = 1.0, threshold: int = 8192,
+    growth: int, ratio: float, host_factor: float = 1.0, threshold: int = 8192, tail: int = 0,
 ) -> tuple[DenseCostModel, dict[str, Any]]:
-    """Slices at 2 ms a token at any context, a whole 9,216-token prompt (no block tail)
-    on a host of 256-token blocks, the next turn ``growth`` tokens on, its sparse rerun
-    timed so that the next turn's dense append at ``host_factor`` is ``ratio`` of it;
-    ``decide``'s arguments, the turn after next among them."""
+    """Slices at 2 ms a token at any context, a whole 9,216-token prefix of a prompt
+    ``tail`` tokens longer (0: it ends on a block) on a host of 256-token blocks, the next
+    turn ``growth`` tokens on, its sparse rerun timed so that the next turn's dense append
+    (growth and tail) at ``host_factor`` is ``ratio`` of it; ``decide``'s arguments, the
+    turn after next among them."""
     model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
-    dense = model.seconds(growth, 9216)
+    next_tokens = 9216 + tail + growth
+    dense = model.seconds(growth + tail, 9216)
     assert dense is not None
-    sparse = SparseSample(9216 + growth, host_factor * dense / ratio)
-    later = later_turn(model, next_tokens=9216 + growth, growth=growth, block_size=256, threshold=threshold,
-                       keep=1.0, measured=sparse, cheapest=None)
-    return model, dict(boundary=9216, full_boundary=9216, next_tokens=9216 + growth, threshold=threshold, keep=1.0,
+    sparse = SparseSample(next_tokens, host_factor * dense / ratio)
+    later = later_turn(model, next_tokens=next_tokens, growth=growth, block_size=256, threshold=threshold,
+                       keep=1.0, measured=sparse, cheapest=None, host_factor=host_factor)
+    return model, dict(boundary=9216, full_boundary=9216, next_tokens=next_tokens, threshold=threshold, keep=1.0,
                        measured=sparse, host_factor=host_factor, later=later)
 
 
@@ -1164,20 +1166,12 @@ def test_a_whole_prefix_is_published_where_the_next_turn_is_no_slower_and_the_la
     on. Held "not yet clear" (settled: the job pauses) where no later turn can be told, where
     the later turns would not pay by the margin (a prompt ending on a block: the next turn
     is the cheapest), where the next turn is expected slower, and at the prior."""
-    model = fitted(2e-3, 0.0, contexts=(0, 3072, 6144, 9216))
     factor = 1.08
 
     def case(growth: int, tail: int, ratio: float) -> dict[str, Any]:
-        prompt = 9216 + tail
-        dense = model.seconds(growth + tail, 9216)
-        assert dense is not None
-        sparse = SparseSample(prompt + growth, factor * dense / ratio)
-        later = later_turn(model, next_tokens=prompt + growth, growth=growth, block_size=256, threshold=8192,
-                           keep=1.0, measured=sparse, cheapest=None, host_factor=factor)
-        return dict(boundary=9216, full_boundary=9216, next_tokens=prompt + growth, threshold=8192, keep=1.0,
-                    measured=sparse, host_factor=factor, later=later)
+        return _flat_prefix(growth, ratio, host_factor=factor, tail=tail)[1]
 
-    kw = case(600, 200, 0.95)
+    model, kw = _flat_prefix(600, 0.95, host_factor=factor, tail=200)
     assert kw["later"] is not None
     assert factor * kw["later"].dense_s / kw["later"].sparse_s == pytest.approx(0.82, abs=0.01)
     published = decide(model, **kw)
